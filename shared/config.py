@@ -1,0 +1,49 @@
+"""Settings both services read, from environment variables with documented defaults.
+
+One place names every variable, so the README, the Kubernetes ConfigMaps and the code agree.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+
+# Environment variable -> (default, meaning). Read by Settings.from_env and listed by `tooltrie env`.
+ENV_VARS: dict[str, tuple[str, str]] = {
+    "REDIS_URL": ("", "Redis to use; empty means the project starts its own redis-server under var/"),
+    "TOOLTRIE_NAMESPACE": ("tooltrie", "prefix of every Redis key and of the event channel"),
+    "TOOLTRIE_MODEL_DIR": (str(DEFAULT_MODEL_DIR), "Hugging Face-layout model directory"),
+    "TOOLTRIE_COMPILER_ADDR": ("127.0.0.1:50051", "host:port the compiler service listens on"),
+    "TOOLTRIE_DECODER_ADDR": ("127.0.0.1:50052", "host:port the decoder service listens on"),
+    "TOOLTRIE_METRICS_PORT": ("9464", "HTTP port for Prometheus metrics (0 disables)"),
+    "TOOLTRIE_MAX_TOOLS": ("100000", "most tools one catalog may hold"),
+    "TOOLTRIE_MAX_NAME_CHARS": ("256", "longest tool name, in characters"),
+    "TOOLTRIE_MAX_DESCRIPTION_CHARS": ("10000", "longest tool description, in characters"),
+    "TOOLTRIE_KEEP_VERSIONS": ("10", "versions kept per catalog (the latest is never dropped)"),
+    "TOOLTRIE_BACKEND": ("auto", "decoder backend: auto, cuda or cpu"),
+    "TOOLTRIE_DRAIN_SECONDS": ("30", "grace period for in-flight requests after SIGTERM"),
+}
+
+
+def _env(name: str) -> str:
+    return os.environ.get(name, ENV_VARS[name][0])
+
+
+@dataclass(frozen=True)
+class Settings:
+    redis_url: str = field(default_factory=lambda: _env("REDIS_URL"))
+    namespace: str = field(default_factory=lambda: _env("TOOLTRIE_NAMESPACE"))
+    model_dir: Path = field(default_factory=lambda: Path(_env("TOOLTRIE_MODEL_DIR")))
+    compiler_addr: str = field(default_factory=lambda: _env("TOOLTRIE_COMPILER_ADDR"))
+    decoder_addr: str = field(default_factory=lambda: _env("TOOLTRIE_DECODER_ADDR"))
+    metrics_port: int = field(default_factory=lambda: int(_env("TOOLTRIE_METRICS_PORT")))
+    max_tools: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_TOOLS")))
+    max_name_chars: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_NAME_CHARS")))
+    max_description_chars: int = field(
+        default_factory=lambda: int(_env("TOOLTRIE_MAX_DESCRIPTION_CHARS")))
+    keep_versions: int = field(default_factory=lambda: int(_env("TOOLTRIE_KEEP_VERSIONS")))
+    backend: str = field(default_factory=lambda: _env("TOOLTRIE_BACKEND"))
+    drain_seconds: float = field(default_factory=lambda: float(_env("TOOLTRIE_DRAIN_SECONDS")))
