@@ -1,0 +1,53 @@
+"""Registry -> trie: tokenize every tool name in the context the model writes it, build the CSR trie.
+
+A name is tokenized between two separators (how it appears in an answer: after the assistant header or
+after the previous name), so what the trie admits is what the model would naturally write. A name that
+does not come back unchanged from its tokens, merges with the separator, or contains a control token is
+refused with a CatalogError naming the tool.
+"""
+from __future__ import annotations
+
+import time
+
+from shared.catalog import Catalog, CatalogError
+from shared.prompt import PromptTemplate, default_template
+from shared.tokenizer import ModelTokenizer
+from shared.trie import Trie, build_trie
+
+
+def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id: int) -> list[list[int]]:
+    """Each name's token ids as written between two separators; refuses names that cannot be."""
+    contexts = tok.tokenizer.encode_batch([separator + n + separator for n in names], add_special_tokens=False)
+    bodies = [c.ids[1:-1] for c in contexts]
+    decoded = tok.tokenizer.decode_batch(bodies, skip_special_tokens=False)
+    special = tok.special_ids
+    for i, (name, ctx, body, text) in enumerate(zip(names, contexts, bodies, decoded)):
+        where = f"tool #{i} ({name!r})"
+        if len(ctx.ids) < 2 or ctx.ids[0] != sep_id or ctx.ids[-1] != sep_id:
+            raise CatalogError(f"{where}: the name merges with the separator {separator!r} when tokenized")
+        if not body:
+            raise CatalogError(f"{where}: the name tokenizes to nothing")
+        if special.intersection(body):
+            raise CatalogError(f"{where}: the name contains a special token of the tokenizer")
+        if text != name:
+            raise CatalogError(f"{where}: the tokenizer cannot represent the name exactly "
+                               f"(it comes back as {text!r})")
+    return bodies
+
+
+def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
+    """Compile a validated catalog into a trie whose metadata holds everything the decoder needs."""
+    started = time.perf_counter()
+    if template is None:
+        template = default_template(catalog, *tok.chat_format())
+    sep_id = tok.single_token(template.separator, "separator")
+    stop_id = tok.single_token(template.stop_token, "stop token")
+    names = catalog.names
+    trie = build_trie(tokenize_names(names, tok, template.separator, sep_id), names, sep_id, stop_id)
+    trie.meta.update({
+        "content_hash": catalog.content_hash_with(template, tok.hash),
+        "tokenizer_hash": tok.hash,
+        "prompt": template.to_json(),
+        "compile_ms": round((time.perf_counter() - started) * 1e3, 3),
+    })
+    return trie

@@ -1,0 +1,97 @@
+"""The compiler service: Compile, Publish, ListCatalogs, ListVersions, GetCatalog, SetLatest over gRPC.
+
+`python -m compiler_service.server` listens on TOOLTRIE_COMPILER_ADDR, stores tries in REDIS_URL.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client import Histogram
+
+from compiler_service.compiler import compile_catalog
+from shared.catalog import check_catalog_name, parse_registry
+from shared.config import Settings
+from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
+from shared.serving import make_server, rpc, set_serving, setup_logging, start_metrics, wait_for_termination
+from shared.store import CatalogStore, VersionInfo
+from shared.tokenizer import ModelTokenizer
+from shared.trie import read_blob_metadata
+
+log = logging.getLogger("tooltrie.compiler")
+SERVICE = pb.DESCRIPTOR.services_by_name["CompilerService"].full_name
+COMPILE_SECONDS = Histogram("tooltrie_compile_seconds", "Time to compile one registry into a trie")
+
+
+def version_message(info: VersionInfo) -> pb.CatalogVersion:
+    s = info.stats
+    return pb.CatalogVersion(
+        name=info.name, version=info.version, content_hash=info.content_hash,
+        tokenizer_hash=info.tokenizer_hash, created_unix=info.created_unix, latest=info.latest,
+        stats=pb.TrieStats(**{f: s[f] for f in pb.TrieStats.DESCRIPTOR.fields_by_name if f in s}))
+
+
+class CompilerServicer(pb_grpc.CompilerServiceServicer):
+    def __init__(self, tokenizer: ModelTokenizer, store: CatalogStore, settings: Settings):
+        self.tok, self.store, self.settings = tokenizer, store, settings
+
+    def _compile(self, registry_json: str):
+        with COMPILE_SECONDS.time():
+            return compile_catalog(parse_registry(registry_json, self.settings), self.tok)
+
+    @rpc(SERVICE)
+    def Compile(self, request, context):
+        trie = self._compile(request.registry_json)
+        stats = {**trie.stats(), "compile_ms": trie.meta["compile_ms"],
+                 "prompt_prefix_chars": len(trie.meta["prompt"])}
+        return pb.CompileResponse(stats=pb.TrieStats(**stats))
+
+    @rpc(SERVICE)
+    def Publish(self, request, context):
+        name = check_catalog_name(request.name)
+        info, created = self.store.publish(name, self._compile(request.registry_json))
+        log.info("published %s v%d (created=%s)", name, info.version, created)
+        return pb.PublishResponse(version=version_message(info), created=created)
+
+    @rpc(SERVICE)
+    def ListCatalogs(self, request, context):
+        return pb.ListCatalogsResponse(latest=[version_message(i) for i in self.store.list_catalogs()])
+
+    @rpc(SERVICE)
+    def ListVersions(self, request, context):
+        return pb.ListVersionsResponse(versions=[version_message(i) for i in self.store.list_versions(request.name)])
+
+    @rpc(SERVICE)
+    def GetCatalog(self, request, context):
+        blob = self.store.blob(request.name, request.version)
+        names = json.loads(read_blob_metadata(blob)["pointer_names"])
+        info = self.store.info(request.name, request.version)
+        return pb.GetCatalogResponse(version=version_message(info), tool_names=names,
+                                     blob=blob if request.include_blob else b"")
+
+    @rpc(SERVICE)
+    def SetLatest(self, request, context):
+        info = self.store.set_latest(request.name, request.version)
+        log.info("latest of %s is now v%d", request.name, info.version)
+        return pb.SetLatestResponse(version=version_message(info))
+
+
+def serve(settings: Settings | None = None) -> None:
+    settings = settings or Settings()
+    if not settings.redis_url:
+        raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
+    tokenizer = ModelTokenizer(settings.model_dir)
+    store = CatalogStore.from_url(settings.redis_url, settings.namespace, settings.keep_versions)
+    servicer = CompilerServicer(tokenizer, store, settings)
+    server, health = make_server(settings.compiler_addr,
+                                 lambda s: pb_grpc.add_CompilerServiceServicer_to_server(servicer, s), [SERVICE])
+    start_metrics(settings.metrics_port)
+    server.start()
+    set_serving(health, [SERVICE], True)
+    log.info("compiler listening on %s (model %s)", settings.compiler_addr, settings.model_dir)
+    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds)
+
+
+if __name__ == "__main__":
+    setup_logging()
+    serve()

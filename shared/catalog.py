@@ -1,0 +1,125 @@
+"""Tool registries: the three JSON shapes users already have, parsed into one validated Catalog.
+
+Every refusal is a CatalogError whose message names the offending tool, so a bad registry is
+reported once, clearly, before anything is compiled or published.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import unicodedata
+from dataclasses import dataclass
+
+from shared.config import Settings
+
+
+class CatalogError(ValueError):
+    """The registry cannot become a catalog; the message says which tool and why."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    examples: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Catalog:
+    tools: tuple[Tool, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tools]
+
+    def content_hash_with(self, template, tokenizer_hash: str) -> str:
+        """sha256 of everything a trie is compiled from: tools in order, prompt template, tokenizer.
+
+        Publishing content with a hash seen before returns that version instead of a new one.
+        """
+        canon = json.dumps({"tools": [[t.name, t.description, list(t.examples)] for t in self.tools],
+                            "prompt": template.to_json(), "tokenizer": tokenizer_hash},
+                           ensure_ascii=False, separators=(",", ":"), sort_keys=True)
+        return hashlib.sha256(canon.encode("utf-8")).hexdigest()
+
+
+def _tool_entries(data) -> list[dict]:
+    """Recognise the registry shape and return its tool objects as plain {name, description, examples}."""
+    if isinstance(data, dict) and isinstance(data.get("tools"), list):  # MCP tools/list result
+        data = data["tools"]
+    if not isinstance(data, list):
+        raise CatalogError("unknown registry shape: expected a list of tools, an MCP tools/list result "
+                           "({\"tools\": [...]}) or OpenAI function tools ([{\"type\": \"function\", ...}])")
+    entries = []
+    for i, item in enumerate(data):
+        if isinstance(item, dict) and item.get("type") == "function" and isinstance(item.get("function"), dict):
+            item = item["function"]  # OpenAI-style function tool
+        if not isinstance(item, dict) or "name" not in item:
+            raise CatalogError(f"tool #{i}: expected an object with a 'name', got {json.dumps(item)[:80]}")
+        entries.append(item)
+    return entries
+
+
+def _check_text(value, what: str, where: str, limit: int) -> str:
+    if not isinstance(value, str):
+        raise CatalogError(f"{where}: {what} must be a string, got {type(value).__name__}")
+    if len(value) > limit:
+        raise CatalogError(f"{where}: {what} has {len(value)} characters, over the limit of {limit}")
+    return value
+
+
+def _check_name(name, where: str, limit: int) -> str:
+    name = _check_text(name, "name", where, limit)
+    if not name.strip():
+        raise CatalogError(f"{where}: name is empty or only whitespace")
+    bad = [c for c in name if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp")]
+    if bad:
+        raise CatalogError(f"{where}: name {name!r} contains the control character {bad[0]!r}")
+    return name
+
+
+def parse_registry(text: str | bytes, settings: Settings | None = None) -> Catalog:
+    """Parse registry JSON text into a validated Catalog (limits from settings)."""
+    settings = settings or Settings()
+    try:
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CatalogError(f"malformed JSON: {e}") from None
+    return catalog_from_entries(_tool_entries(data), settings)
+
+
+def catalog_from_entries(entries: list[dict], settings: Settings | None = None) -> Catalog:
+    settings = settings or Settings()
+    if not entries:
+        raise CatalogError("the registry holds no tools")
+    if len(entries) > settings.max_tools:
+        raise CatalogError(f"the registry holds {len(entries)} tools, over the limit of {settings.max_tools}")
+    tools, seen = [], {}
+    for i, e in enumerate(entries):
+        where = f"tool #{i}" + (f" ({e['name']!r})" if isinstance(e.get("name"), str) else "")
+        name = _check_name(e.get("name"), where, settings.max_name_chars)
+        description = _check_text(e.get("description") or "", "description", where,
+                                  settings.max_description_chars)
+        examples = e.get("examples") or []
+        if not isinstance(examples, list):
+            raise CatalogError(f"{where}: examples must be a list of strings")
+        examples = tuple(_check_text(x, "example", where, settings.max_description_chars) for x in examples)
+        key = unicodedata.normalize("NFKC", name)
+        if key in seen:
+            raise CatalogError(f"{where}: name {name!r} duplicates tool #{seen[key]} "
+                               f"({entries[seen[key]]['name']!r}) after Unicode normalisation")
+        seen[key] = i
+        tools.append(Tool(name, description, examples))
+    return Catalog(tuple(tools))
+
+
+CATALOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def check_catalog_name(name: str) -> str:
+    """Catalog names become Redis key parts and CLI arguments: keep them plain."""
+    if not isinstance(name, str) or not CATALOG_NAME.fullmatch(name):
+        raise CatalogError(f"catalog name {name!r} is not valid: use 1-64 of A-Z a-z 0-9 . _ - "
+                           "starting with a letter or digit")
+    return name

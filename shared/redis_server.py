@@ -1,0 +1,70 @@
+"""A real redis-server the project starts itself: on a free loopback port, data under var/.
+
+Used by `make run` (the stack's Redis) and by the test suite (its own Redis for the run). Where
+REDIS_URL is set, nothing is started and that Redis is used instead.
+"""
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import redis
+
+from shared.config import REPO_ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    """redis-server as a child process; `with LocalRedis(...) as r: r.url`."""
+
+    def __init__(self, data_dir: Path | None = None, port: int | None = None, appendonly: bool = True):
+        self.data_dir = Path(data_dir or REPO_ROOT / "var" / "redis")
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "LocalRedis":
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server is missing: run 'sudo apt-get install redis-server' (or set REDIS_URL)")
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+             "--appendonly", "yes" if self.appendonly else "no", "--save", "", "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout
+        client = redis.Redis.from_url(self.url)
+        while True:
+            try:
+                client.ping()
+                return self
+            except redis.ConnectionError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"redis-server did not start on port {self.port}") from None
+                time.sleep(0.05)
+            finally:
+                client.close()
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

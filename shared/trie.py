@@ -1,0 +1,164 @@
+"""The catalog trie: CSR arrays over the model's token ids, as both services see it.
+
+Node 0 is the root. Node n's edges are `edge_*[node_edge_start[n]:node_edge_start[n + 1]]`, sorted
+by token id. An edge's child is a node id, or a sentinel for the two control edges: SEP ("another
+pointer follows", back to the root) and STOP (the answer ends). Pointers (tool names) are numbered
+in depth-first order, so the pointers below any edge form one range `[edge_lo, edge_hi)`; a control
+edge carries the range of the one pointer that ends at its node. A node may be both the end of one
+pointer and the inside of longer ones.
+"""
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+from safetensors.numpy import load as st_load, save as st_save
+
+SEP = -1   # edge_child sentinel: the separator, another pointer follows
+STOP = -2  # edge_child sentinel: the stop token, the answer is complete
+FORMAT = "tooltrie-csr-1"
+CONSTANT_MEMORY_BUDGET = 64 * 1024
+ARRAYS = ("node_edge_start", "edge_token", "edge_child", "edge_lo", "edge_hi")
+
+
+class TrieWalkError(ValueError):
+    """A token sequence is not a path through the trie (or breaks the exactly-k rule)."""
+
+
+@dataclass
+class Trie:
+    node_edge_start: np.ndarray  # int32 [nodes + 1]
+    edge_token: np.ndarray       # int32 [edges]
+    edge_child: np.ndarray       # int32 [edges]: node id, SEP or STOP
+    edge_lo: np.ndarray          # int32 [edges]: first pointer id below the edge
+    edge_hi: np.ndarray          # int32 [edges]: one past the last
+    pointer_names: list[str]     # by pointer id
+    sep_id: int
+    stop_id: int
+    meta: dict = field(default_factory=dict)  # catalog name, version, hashes, prompt, stats
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_edge_start) - 1
+
+    @property
+    def num_edges(self) -> int:
+        return len(self.edge_token)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(getattr(self, a).nbytes for a in ARRAYS)
+
+    @property
+    def fits_constant_memory(self) -> bool:
+        return self.nbytes <= CONSTANT_MEMORY_BUDGET
+
+    def max_fanout(self) -> int:
+        return int(np.diff(self.node_edge_start).max())
+
+    def find_edge(self, node: int, token: int) -> int:
+        """Index of node's edge labelled token, or -1 (binary search: edges are sorted by token)."""
+        lo, hi = int(self.node_edge_start[node]), int(self.node_edge_start[node + 1])
+        i = lo + int(np.searchsorted(self.edge_token[lo:hi], token))
+        return i if i < hi and self.edge_token[i] == token else -1
+
+    def walk(self, tokens, k: int | None = None) -> list[int]:
+        """Pointer ids spelled by an answer's tokens; raises TrieWalkError on any token off the trie.
+
+        With k, also checks the answer's language: exactly k distinct pointers, then the stop token.
+        """
+        node, pointers = 0, []
+        for pos, tok in enumerate(tokens):
+            if node == STOP:
+                raise TrieWalkError(f"token {tok} at position {pos} follows the stop token")
+            e = self.find_edge(node, int(tok))
+            if e < 0:
+                raise TrieWalkError(f"token {tok} at position {pos} is not an edge of node {node}")
+            child = int(self.edge_child[e])
+            if child in (SEP, STOP):
+                pointers.append(int(self.edge_lo[e]))
+                node = 0 if child == SEP else STOP
+            else:
+                node = child
+        if k is not None:
+            if node != STOP:
+                raise TrieWalkError("the answer does not end with the stop token")
+            if len(pointers) != k or len(set(pointers)) != k:
+                raise TrieWalkError(f"expected {k} distinct pointers, got {pointers}")
+        return pointers
+
+    def stats(self) -> dict:
+        depth = self.meta.get("max_pointer_tokens", 0)
+        return {"tools": len(self.pointer_names), "nodes": self.num_nodes, "edges": self.num_edges,
+                "max_fanout": self.max_fanout(), "max_pointer_tokens": depth, "bytes": self.nbytes,
+                "fits_constant_memory": self.fits_constant_memory}
+
+    # --- serialization: one safetensors blob, metadata in its header -------------------------
+
+    def to_blob(self) -> bytes:
+        meta = {"format": FORMAT, "pointer_names": json.dumps(self.pointer_names, ensure_ascii=False),
+                "sep_id": str(self.sep_id), "stop_id": str(self.stop_id),
+                "meta": json.dumps(self.meta, ensure_ascii=False, sort_keys=True)}
+        return st_save({a: np.ascontiguousarray(getattr(self, a), dtype=np.int32) for a in ARRAYS}, meta)
+
+    @classmethod
+    def from_blob(cls, blob: bytes) -> "Trie":
+        meta = read_blob_metadata(blob)
+        if meta.get("format") != FORMAT:
+            raise ValueError(f"not a tooltrie trie blob (format {meta.get('format')!r}, expected {FORMAT!r})")
+        arrays = st_load(blob)
+        return cls(**{a: arrays[a] for a in ARRAYS}, pointer_names=json.loads(meta["pointer_names"]),
+                   sep_id=int(meta["sep_id"]), stop_id=int(meta["stop_id"]), meta=json.loads(meta["meta"]))
+
+
+def read_blob_metadata(blob: bytes) -> dict:
+    """The safetensors header's __metadata__, without touching the arrays."""
+    (n,) = struct.unpack("<Q", blob[:8])
+    return json.loads(blob[8:8 + n]).get("__metadata__", {})
+
+
+def build_trie(bodies: list[list[int]], names: list[str], sep_id: int, stop_id: int) -> Trie:
+    """Build the CSR trie from each pointer's token ids.
+
+    Pointer ids are the ranks of the token sequences in lexicographic order, which is the trie's
+    depth-first order (a prefix sorts before its extensions, siblings by token id), so every
+    subtree's pointers are one contiguous range.
+    """
+    order = sorted(range(len(bodies)), key=lambda i: bodies[i])
+    parents, tokens, children, los, his = [], [], [], [], []
+    path: list[int] = [0]   # path[d] = node at depth d along the previous pointer
+    prev: list[int] = []
+    num_nodes = 1
+    incoming: list[int] = [-1]  # incoming[n] = index (in the lists above) of the edge into node n
+    for pid, i in enumerate(order):
+        body = bodies[i]
+        common = 0
+        while common < min(len(prev), len(body)) and prev[common] == body[common]:
+            common += 1
+        del path[common + 1:]
+        for d in range(common, len(body)):  # new nodes for the part not shared with the previous pointer
+            parents.append(path[d]); tokens.append(body[d]); children.append(num_nodes)
+            los.append(pid); his.append(pid + 1)
+            incoming.append(len(parents) - 1)
+            path.append(num_nodes)
+            num_nodes += 1
+        for d in range(common):  # shared edges: extend their range to this pointer
+            his[incoming[path[d + 1]]] = pid + 1
+        end = path[len(body)]
+        for tok, child in ((sep_id, SEP), (stop_id, STOP)):
+            parents.append(end); tokens.append(tok); children.append(child)
+            los.append(pid); his.append(pid + 1)
+        prev = body
+    parents = np.asarray(parents, np.int64)
+    tokens_a = np.asarray(tokens, np.int64)
+    perm = np.lexsort((tokens_a, parents))
+    counts = np.bincount(parents, minlength=num_nodes)
+    start = np.zeros(num_nodes + 1, np.int32)
+    np.cumsum(counts, out=start[1:])
+    return Trie(node_edge_start=start, edge_token=tokens_a[perm].astype(np.int32),
+                edge_child=np.asarray(children, np.int32)[perm], edge_lo=np.asarray(los, np.int32)[perm],
+                edge_hi=np.asarray(his, np.int32)[perm], pointer_names=[names[i] for i in order],
+                sep_id=sep_id, stop_id=stop_id,
+                meta={"max_pointer_tokens": max(len(b) for b in bodies)})
