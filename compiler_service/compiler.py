@@ -23,6 +23,8 @@ def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id
     special = tok.special_ids
     for i, (name, ctx, body, text) in enumerate(zip(names, contexts, bodies, decoded)):
         where = f"tool #{i} ({name!r})"
+        if name != name.rstrip():
+            raise CatalogError(f"{where}: the name ends with whitespace, which merges with the separator")
         if len(ctx.ids) < 2 or ctx.ids[0] != sep_id or ctx.ids[-1] != sep_id:
             raise CatalogError(f"{where}: the name merges with the separator {separator!r} when tokenized")
         if not body:

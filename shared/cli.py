@@ -1,0 +1,142 @@
+"""The `tooltrie` command: compile locally, publish and manage catalog versions through the compiler.
+
+Exit codes: 0 done, 2 bad input (the registry, a name, an argument), 1 anything else (service
+unreachable, not found, internal error). Errors are one line on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import grpc
+
+from shared.config import Settings
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"tooltrie: {message}", file=sys.stderr)
+    return code
+
+
+def _read(path: str) -> str:
+    try:
+        return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise SystemExit(_fail(f"cannot read {path}: {e}", EXIT_BAD_INPUT))
+
+
+def cmd_compile(args) -> int:
+    from compiler_service.compiler import compile_catalog
+    from shared.catalog import CatalogError, parse_registry
+    from shared.tokenizer import ModelTokenizer, TokenizerError
+    try:
+        trie = compile_catalog(parse_registry(_read(args.file)), ModelTokenizer(args.model))
+    except (CatalogError, TokenizerError) as e:
+        return _fail(str(e), EXIT_BAD_INPUT)
+    stats = {**trie.stats(), "compile_ms": trie.meta["compile_ms"], "tokenizer_hash": trie.meta["tokenizer_hash"],
+             "content_hash": trie.meta["content_hash"]}
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print(" ".join(f"{k}={v}" for k, v in stats.items()))
+    if args.out:
+        Path(args.out).write_bytes(trie.to_blob())
+    return 0
+
+
+def _compiler(args):
+    from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
+    return pb, pb_grpc.CompilerServiceStub(grpc.insecure_channel(args.compiler))
+
+
+def _print_versions(versions, as_json: bool) -> None:
+    from google.protobuf.json_format import MessageToDict
+    if as_json:
+        print(json.dumps([MessageToDict(v, preserving_proto_field_name=True) for v in versions], indent=2))
+        return
+    for v in versions:
+        mark = "*" if v.latest else " "
+        print(f"{mark} {v.name} v{v.version}  tools={v.stats.tools} nodes={v.stats.nodes} "
+              f"bytes={v.stats.bytes} const={'yes' if v.stats.fits_constant_memory else 'no'} "
+              f"hash={v.content_hash[:12]}")
+
+
+def cmd_publish(args) -> int:
+    pb, stub = _compiler(args)
+    reply = stub.Publish(pb.PublishRequest(name=args.name, registry_json=_read(args.file)), timeout=args.timeout)
+    print(f"{'published' if reply.created else 'unchanged'}: {args.name} v{reply.version.version} "
+          f"({reply.version.stats.tools} tools)")
+    return 0
+
+
+def cmd_catalogs(args) -> int:
+    pb, stub = _compiler(args)
+    _print_versions(stub.ListCatalogs(pb.ListCatalogsRequest(), timeout=args.timeout).latest, args.json)
+    return 0
+
+
+def cmd_versions(args) -> int:
+    pb, stub = _compiler(args)
+    _print_versions(stub.ListVersions(pb.ListVersionsRequest(name=args.name), timeout=args.timeout).versions,
+                    args.json)
+    return 0
+
+
+def cmd_rollback(args) -> int:
+    pb, stub = _compiler(args)
+    reply = stub.SetLatest(pb.SetLatestRequest(name=args.name, version=args.version), timeout=args.timeout)
+    print(f"latest: {args.name} v{reply.version.version}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    settings = Settings()
+    p = argparse.ArgumentParser(prog="tooltrie", description=__doc__.splitlines()[0])
+    p.add_argument("--compiler", default=settings.compiler_addr, help="compiler service host:port")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("compile", help="compile a registry locally and print its stats (no servers)")
+    c.add_argument("file", help="registry JSON file, or - for stdin")
+    c.add_argument("--model", default=str(settings.model_dir), help="model directory (for its tokenizer)")
+    c.add_argument("--json", action="store_true", help="print the stats as JSON")
+    c.add_argument("--out", help="also write the trie blob (safetensors) here")
+    c.set_defaults(run=cmd_compile)
+
+    c = sub.add_parser("publish", help="compile and publish a registry as the next version of a catalog")
+    c.add_argument("file")
+    c.add_argument("--name", required=True)
+    c.set_defaults(run=cmd_publish)
+
+    c = sub.add_parser("catalogs", help="list catalogs and their latest versions")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=cmd_catalogs)
+
+    c = sub.add_parser("versions", help="list the stored versions of a catalog")
+    c.add_argument("name")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(run=cmd_versions)
+
+    c = sub.add_parser("rollback", help="make an older stored version the latest")
+    c.add_argument("name")
+    c.add_argument("version", type=int)
+    c.set_defaults(run=cmd_rollback)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except grpc.RpcError as e:
+        code = EXIT_BAD_INPUT if e.code() == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
+        return _fail(f"{e.code().name}: {e.details()}", code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
