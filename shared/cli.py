@@ -23,11 +23,15 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
+class InputError(Exception):
+    """A command-line input that cannot be used (an unreadable file)."""
+
+
 def _read(path: str) -> str:
     try:
         return sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        raise SystemExit(_fail(f"cannot read {path}: {e}", EXIT_BAD_INPUT))
+        raise InputError(f"cannot read {path}: {e}") from None
 
 
 def cmd_compile(args) -> int:
@@ -133,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.run(args)
+    except InputError as e:
+        return _fail(str(e), EXIT_BAD_INPUT)
     except grpc.RpcError as e:
         code = EXIT_BAD_INPUT if e.code() == grpc.StatusCode.INVALID_ARGUMENT else EXIT_FAILED
         return _fail(f"{e.code().name}: {e.details()}", code)
