@@ -10,7 +10,8 @@ Two things GGUF does differently from Hugging Face and that are undone here:
 
 * llama.cpp stores the q and k projection rows permuted for its rope layout (pairs of adjacent
   rows instead of two halves per head). Left permuted, nothing crashes but the model is much
-  worse (perplexity ~47 instead of ~9), so `unpermute_rope_rows` undoes it.
+  worse (perplexity of an English paragraph 28 instead of 5, and it no longer answers simple
+  questions), so `unpermute_rope_rows` undoes it.
 * GGUF keeps only the vocabulary and the merges; tokenizer.json is rebuilt as byte-level BPE
   with llama.cpp's `smollm` pre-tokenizer (every digit on its own, then the GPT-2 regex).
 
@@ -68,10 +69,6 @@ GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-
-# Hugging Face's ByteLevel split (GPT-2). llama.cpp's `smollm` regex is the same without the
-# final `|\s+`; llama.cpp keeps unmatched text as its own piece, which gives the same pieces.
-GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 
 
 # --- fetching -------------------------------------------------------------------------------
@@ -217,13 +214,17 @@ def control_tokens(reader: gguf.GGUFReader) -> dict[int, str]:
 def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
     """Byte-level BPE from the GGUF vocabulary and merges, with the `smollm` pre-tokenizer.
 
-    There is no byte fallback and no unknown token, as in the original SmolLM2 tokenizer.json
-    and in llama.cpp: 21 byte values have no token (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0,
-    0xC1, 0xF1, 0xF2, 0xF5-0xFF). Encoding never fails on them: such a byte is silently
-    dropped. In text that means the control characters U+0004, U+0006, U+0013, U+0014, U+0016
-    and U+001D vanish ("a\x04b" comes back as "ab"), and a code point in U+40000-U+BFFFF (lead
-    byte 0xF1 or 0xF2; nothing is assigned there) loses its lead byte, so its three other bytes
-    decode to U+FFFD each. Every other string round-trips: decode(encode(s)) == s.
+    llama.cpp's `smollm` pre-tokenizer splits off every \\p{N} character, then applies the GPT-2
+    regex without its final `|\\s+`; it keeps unmatched text as a piece of its own, so the pieces
+    are those of Hugging Face's Digits(individual_digits) + ByteLevel, used here.
+
+    There is no byte fallback and no unknown token, as in llama.cpp: 21 byte values have no
+    token (0x04, 0x06, 0x13, 0x14, 0x16, 0x1D, 0xC0, 0xC1, 0xF1, 0xF2, 0xF5-0xFF). Encoding
+    never fails on them: such a byte is silently dropped. In text that means the control
+    characters U+0004, U+0006, U+0013, U+0014, U+0016 and U+001D vanish ("a\\x04b" comes back
+    as "ab"), and a code point in U+40000-U+BFFFF (lead byte 0xF1 or 0xF2; nothing is assigned
+    there) loses its lead byte, so its three other bytes decode to U+FFFD each. Every other
+    string round-trips: decode(encode(s)) == s.
     """
     if metadata(reader, "tokenizer.ggml.model") != "gpt2":
         raise ValueError("only byte-level BPE (gpt2) GGUF vocabularies are supported")
@@ -238,9 +239,10 @@ def build_tokenizer(reader: gguf.GGUFReader) -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     tokenizer.decoder = decoders.ByteLevel()
+    specials = control_tokens(reader)
     tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)
-                                  for _, text in sorted(control_tokens(reader).items())])
-    for i, text in control_tokens(reader).items():
+                                  for _, text in sorted(specials.items())])
+    for i, text in specials.items():
         if tokenizer.token_to_id(text) != i:
             raise RuntimeError(f"special token {text!r} moved from id {i}")
     return tokenizer
@@ -288,6 +290,7 @@ def write_model_dir(gguf_path: Path, out: Path) -> None:
 
 
 def is_converted(out: Path) -> bool:
+    """Whether `out` is a finished conversion (only a complete directory is ever renamed there)."""
     return all((out / name).is_file() for name in OUTPUT_FILES)
 
 

@@ -11,9 +11,10 @@ import re
 import sys
 import unicodedata
 
+import gguf
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -76,7 +77,7 @@ class ReferenceBPE:
 
     Pre-tokenization is llama.cpp's `smollm`: every \\p{N} character on its own, then the GPT-2
     regex on what is left. Special (CONTROL) tokens are matched in the raw text first. A byte
-    without a token is dropped, as llama.cpp and the original tokenizer.json do.
+    without a token is dropped, as llama.cpp does.
     """
 
     def __init__(self, tokens: list[str], merges: list[str], specials: list[str]):
@@ -124,7 +125,6 @@ class ReferenceBPE:
 
 @pytest.fixture(scope="module")
 def gguf_meta():
-    import gguf
     reader = gguf.GGUFReader(gguf_convert.ensure_gguf())
     return {key: field.contents() for key, field in reader.fields.items()
             if key.startswith(("tokenizer.", "llama."))}
@@ -177,8 +177,7 @@ representable_text = st.text(st.characters(exclude_categories=("Cs", "Co", "Cn",
 
 
 @needs_model
-@settings(max_examples=300, derandomize=True, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=300, derandomize=True, deadline=None)
 @given(text=representable_text)
 def test_tokenizer_matches_reference_bpe_on_generated_text(text, tokenizer, reference):
     ids = tokenizer.encode(text).ids
