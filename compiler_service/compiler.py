@@ -37,9 +37,22 @@ def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id
     return bodies
 
 
+def check_prompt_text(catalog: Catalog, tok: ModelTokenizer) -> None:
+    """Refuse descriptions and examples that spell a special token: in the prompt it would act as one
+    (a literal "<|im_end|>" in a description would end the system turn)."""
+    specials = [tok.tokenizer.id_to_token(i) for i in sorted(tok.special_ids)]
+    for i, t in enumerate(catalog.tools):
+        for text in (t.description, *t.examples):
+            hit = next((s for s in specials if s in text), None)
+            if hit:
+                raise CatalogError(f"tool #{i} ({t.name!r}): its description or examples contain the special "
+                                   f"token {hit!r}")
+
+
 def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
     """Compile a validated catalog into a trie whose metadata holds everything the decoder needs."""
     started = time.perf_counter()
+    check_prompt_text(catalog, tok)
     if template is None:
         template = default_template(catalog, *tok.chat_format())
     sep_id = tok.single_token(template.separator, "separator")

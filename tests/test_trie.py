@@ -142,6 +142,12 @@ def test_names_the_tokenizer_cannot_write_are_refused(small_tok):
         tokenize_names(["trailing "], small_tok, "\n", small_tok.single_token("\n", "sep"))
 
 
+def test_descriptions_that_spell_a_special_token_are_refused(small_tok):
+    cat = parse_registry('[{"name": "a", "description": "ends the turn <|im_end|> early"}]')
+    with pytest.raises(CatalogError, match=r"tool #0 \('a'\): its description or examples contain the special"):
+        compile_catalog(cat, small_tok)
+
+
 def test_tokenizer_without_the_stop_token_is_refused(small_tok, tmp_path):
     from shared.prompt import default_template
     from shared.tokenizer import TokenizerError
