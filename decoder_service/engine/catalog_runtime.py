@@ -1,0 +1,68 @@
+"""One catalog version as the engine serves it: the trie, its prompt, and its shared prefix KV.
+
+The catalog prefix (the system text listing the tools) is the same for every request on a version,
+so its KV blocks are computed once and shared, reference-counted, by every request on it. Only
+whole blocks are shared; the prefix's last partial block is recomputed by each request as the first
+part of its own prompt.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from shared.prompt import PromptTemplate
+from shared.trie import Trie
+
+
+@dataclass
+class CatalogRuntime:
+    trie: Trie
+    template: PromptTemplate
+    prefix_ids: list[int]
+    block_size: int
+    shared_blocks: list[int] = field(default_factory=list)  # KV of prefix_ids[:shared_tokens]
+    ready: threading.Event = field(default_factory=threading.Event)
+    warm_seconds: float = 0.0
+    error: str | None = None
+
+    @classmethod
+    def from_trie(cls, trie: Trie, tokenizer, block_size: int) -> "CatalogRuntime":
+        template = PromptTemplate.from_json(trie.meta["prompt"])
+        return cls(trie=trie, template=template, prefix_ids=tokenizer.encode(template.prefix),
+                   block_size=block_size)
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.trie.meta.get("name", ""), self.trie.meta.get("version", 0)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Prefix tokens whose KV lives in shared blocks (whole blocks only)."""
+        return len(self.prefix_ids) // self.block_size * self.block_size
+
+    @property
+    def max_output_tokens_per_pointer(self) -> int:
+        """A pointer's deepest token path plus its control token (separator or stop)."""
+        return int(self.trie.meta["max_pointer_tokens"]) + 1
+
+    def pointer_ids(self, names: list[str]) -> np.ndarray:
+        """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""
+        index = self._name_index()
+        missing = [n for n in names if n not in index]
+        if missing:
+            raise KeyError(missing[0])
+        return np.unique(np.asarray([index[n] for n in names], dtype=np.int32))
+
+    def _name_index(self) -> dict[str, int]:
+        if not hasattr(self, "_index"):
+            self._index = {n: i for i, n in enumerate(self.trie.pointer_names)}
+        return self._index
+
+    def describe(self) -> dict:
+        name, version = self.key
+        return {"name": name, "version": version, "tools": len(self.trie.pointer_names),
+                "prefix_tokens": len(self.prefix_ids), "ready": self.ready.is_set(),
+                "warm_seconds": round(self.warm_seconds, 3), "stats": json.dumps(self.trie.stats())}

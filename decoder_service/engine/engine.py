@@ -1,0 +1,332 @@
+"""DecodeEngine: requests in, exactly k distinct catalog tool names out, streamed as they complete.
+
+One engine owns one model backend and its KV pool. `step()` runs one continuous-batching step:
+admit, one ragged forward pass over decode rows and prefill chunks, then the trie-masked sampler for
+every row that needs a token. `start()` runs steps on a background thread that owns the device;
+`submit`, `cancel` and `load_catalog` are safe to call from any thread.
+
+Per step, for the rows that need a token:
+  legal edges (sampler.legal_edges) -> candidate tokens -> sparse head logits (or dense + gather)
+  -> select (highest logit, lower token id on ties) -> advance the trie -> stream a completed pointer.
+After the last pointer the host walks the emitted tokens through its own copy of the trie; a token
+that cannot be walked fails the request.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from decoder_service.engine.block_manager import BlockManager
+from decoder_service.engine.catalog_runtime import CatalogRuntime
+from decoder_service.engine.sampler import SEP, STOP, EngineFault, legal_edges, select
+from decoder_service.engine.scheduler import Scheduler
+from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
+from decoder_service.model.batch import StepBatch
+from shared.trie import Trie, TrieWalkError
+
+log = logging.getLogger("tooltrie.engine")
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as asked (bad k, intent, allowlist); nothing was queued."""
+
+
+class QueueFull(Exception):
+    """The waiting queue is at its bound: the caller should back off (RESOURCE_EXHAUSTED)."""
+
+
+class TokenizerMismatch(ValueError):
+    """A trie compiled for another tokenizer: refused, never served."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    max_seqs: int = 64             # sequences decoding at once (slots)
+    max_waiting: int = 256         # bounded queue; past it submit raises QueueFull
+    chunk_size: int = 512          # most prompt tokens of one sequence in one step
+    max_step_tokens: int = 2048    # most rows in one step
+    max_intent_chars: int = 4000
+    head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
+
+
+class DecodeEngine:
+    def __init__(self, backend, tokenizer, num_blocks: int, block_size: int, max_positions: int,
+                 config: EngineConfig = EngineConfig()):
+        self.backend, self.tok, self.config = backend, tokenizer, config
+        self.block_size, self.max_positions = block_size, max_positions
+        self.blocks = BlockManager(num_blocks)
+        self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
+                                   config.max_step_tokens)
+        self.block_tables = np.full((config.max_seqs, -(-max_positions // block_size)), -1, np.int32)
+        self.vocab_size = backend.cfg.vocab_size
+        # The intent is user text: it is tokenized with special-token parsing off, so "<|im_end|>"
+        # typed by a user stays text and cannot end the turn.
+        self._plain = Tokenizer.from_str(tokenizer.tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        self._inbox: deque = deque()
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._running = False
+        self.steps = 0
+
+    # --- catalogs ------------------------------------------------------------------------------
+    def load_catalog(self, trie: Trie) -> CatalogRuntime:
+        """Check a trie against this engine's tokenizer and queue the warm-up of its prefix.
+
+        The returned runtime's `ready` event is set once its prefix KV is computed."""
+        if trie.meta.get("tokenizer_hash") != self.tok.hash:
+            raise TokenizerMismatch(f"catalog {trie.meta.get('name')!r} v{trie.meta.get('version')} was compiled "
+                                    f"for tokenizer {str(trie.meta.get('tokenizer_hash'))[:12]}, this decoder "
+                                    f"uses {self.tok.hash[:12]}")
+        rt = CatalogRuntime.from_trie(trie, self.tok, self.block_size)
+        if len(rt.prefix_ids) >= self.max_positions:
+            raise RequestError(f"catalog prefix of {len(rt.prefix_ids)} tokens does not fit the model's "
+                               f"{self.max_positions} positions")
+        if rt.shared_tokens == 0:
+            rt.ready.set()
+            return rt
+        warm = Sequence(request_id=f"warmup:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
+                        prompt_ids=rt.prefix_ids[:rt.shared_tokens], k=0, allow=np.empty(0, np.int32),
+                        allow_all=True, warmup=True)
+        self._post(("submit", warm))
+        return rt
+
+    def release_catalog(self, rt: CatalogRuntime) -> None:
+        """Drop the version's own hold on its prefix blocks; they are freed when its last request ends."""
+        self._post(("release_catalog", rt))
+
+    # --- requests ------------------------------------------------------------------------------
+    def submit(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
+               request_id: str | None = None, timeout: float | None = None) -> Sequence:
+        """Validate and queue a request; iterate the returned Sequence for its events."""
+        n_tools = len(catalog.trie.pointer_names)
+        if not isinstance(k, int) or k < 1:
+            raise RequestError(f"k must be at least 1, got {k}")
+        if not intent or not intent.strip():
+            raise RequestError("the intent is empty")
+        if len(intent) > self.config.max_intent_chars:
+            raise RequestError(f"the intent has {len(intent)} characters, over the limit of "
+                               f"{self.config.max_intent_chars}")
+        if allow:
+            try:
+                allowed = catalog.pointer_ids(list(allow))
+            except KeyError as e:
+                raise RequestError(f"allowlist: no tool named {e.args[0]!r} in catalog "
+                                   f"{catalog.key[0]!r} v{catalog.key[1]}") from None
+            if k > len(allowed):
+                raise RequestError(f"k={k} is larger than the allowlist's {len(allowed)} tools")
+        else:
+            allowed = np.empty(0, np.int32)
+            if k > n_tools:
+                raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
+        prompt = catalog.prefix_ids + self._suffix_ids(catalog, intent, k)
+        seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
+                       allow=allowed, allow_all=not allow,
+                       deadline=time.monotonic() + timeout if timeout else None)
+        if seq.max_positions() > self.max_positions:
+            raise RequestError(f"prompt ({len(prompt)} tokens) plus the worst-case answer for k={k} "
+                               f"exceeds the model's {self.max_positions} positions")
+        if -(-seq.max_positions() // self.block_size) > self.blocks.num_blocks:
+            raise RequestError(f"the request needs more KV blocks than the pool holds ({self.blocks.num_blocks})")
+        with self._wake:
+            waiting = self.queue_depth()
+            if waiting >= self.config.max_waiting:
+                raise QueueFull(f"{waiting} requests are already waiting (the bound is {self.config.max_waiting})")
+            self._inbox.append(("submit", seq))
+            self._wake.notify()
+        return seq
+
+    def queue_depth(self) -> int:
+        """Requests submitted and not yet admitted (catalog warm-ups do not count)."""
+        pending = sum(1 for kind, item in self._inbox if kind == "submit" and not item.warmup)
+        return pending + sum(1 for s in self.scheduler.waiting if not s.warmup)
+
+    def cancel(self, seq: Sequence) -> None:
+        """Fail the request and free its KV blocks at the next step."""
+        seq.cancelled = True
+        self._post(("wake", None))
+
+    def _suffix_ids(self, catalog: CatalogRuntime, intent: str, k: int) -> list[int]:
+        before, after = catalog.template.suffix.split("{intent}", 1)
+        render = lambda text: text.replace("{k}", str(k))  # noqa: E731
+        return (self.tok.encode(render(before)) + self._plain.encode(intent, add_special_tokens=False).ids
+                + self.tok.encode(render(after)))
+
+    # --- the loop ------------------------------------------------------------------------------
+    def _post(self, item) -> None:
+        with self._wake:
+            self._inbox.append(item)
+            self._wake.notify()
+
+    def _drain_inbox(self) -> None:
+        while self._inbox:
+            kind, item = self._inbox.popleft()
+            if kind == "submit":
+                self.scheduler.add(item)
+            elif kind == "release_catalog":
+                self.blocks.release(item.shared_blocks)
+
+    def has_work(self) -> bool:
+        return bool(self._inbox or self.scheduler.running or
+                    any(s.warmup or s.catalog.ready.is_set() for s in self.scheduler.waiting))
+
+    def step(self) -> bool:
+        """One scheduling step; returns False when there was nothing to do."""
+        with self._wake:
+            self._drain_inbox()
+        now = time.monotonic()
+        self._expire(now)
+        self.scheduler.admit(now)
+        for seq in self.scheduler.running:
+            row = self.scheduler.block_table_row(seq)
+            self.block_tables[seq.slot, :len(row)] = row
+            self.block_tables[seq.slot, len(row):] = -1
+        chunks = self.scheduler.plan()
+        if not chunks:
+            return False
+        self.steps += 1
+        batch = StepBatch.from_chunks([(s.slot, toks, start) for s, toks, start in chunks], self.block_tables)
+        sampling = []  # (logit row index in batch.logit_rows, sequence)
+        for i, (seq, toks, start) in enumerate(chunks):
+            if seq.state == State.PREFILL:
+                seq.computed += len(toks)
+                if seq.computed == len(seq.prompt_ids):
+                    if seq.warmup:
+                        continue
+                    sampling.append((i, seq))
+            else:
+                sampling.append((i, seq))
+        logit_rows = batch.logit_rows[[i for i, _ in sampling]]
+        batch = dataclasses.replace(batch, logit_rows=np.ascontiguousarray(logit_rows, np.int32))
+        self.backend.forward(batch)
+        if sampling:
+            self._sample([seq for _, seq in sampling])
+        for seq, _, _ in chunks:
+            if seq.warmup and seq.computed == len(seq.prompt_ids):
+                self._finish_warmup(seq)
+        return True
+
+    def _finish_warmup(self, seq: Sequence) -> None:
+        rt = seq.catalog
+        rt.shared_blocks, seq.blocks = seq.blocks, []  # the version now holds the blocks' reference
+        self.scheduler.release(seq)
+        seq.state = State.FINISHED
+        rt.warm_seconds = time.monotonic() - seq.t_submit
+        rt.ready.set()
+        log.info("catalog %s v%s warm: %d prefix tokens in %.2f s", *rt.key, len(rt.prefix_ids), rt.warm_seconds)
+
+    def _expire(self, now: float) -> None:
+        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+            if seq.cancelled:
+                self._fail(seq, FailedEvent("cancelled", "the request was cancelled"))
+            elif seq.deadline is not None and now > seq.deadline:
+                self._fail(seq, FailedEvent("deadline", "the request's deadline passed"))
+
+    def _fail(self, seq: Sequence, event: FailedEvent) -> None:
+        self.scheduler.release(seq)
+        seq.finish(event)
+
+    def _sample(self, seqs: list[Sequence]) -> None:
+        """Masked argmax for each sequence, from the sparse head (or the dense head + gather)."""
+        edges_of, counts = [], np.zeros(len(seqs), np.int32)
+        for i, seq in enumerate(seqs):
+            t = seq.catalog.trie
+            buf = np.empty(int(t.node_edge_start[seq.node + 1] - t.node_edge_start[seq.node]), np.int32)
+            n = legal_edges(seq.node, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, seq.emitted,
+                            seq.n_emitted, seq.k, seq.allow, seq.allow_all, buf)
+            edges_of.append(buf[:n])
+            counts[i] = n
+        width = max(1, int(counts.max()))
+        cand = np.zeros((len(seqs), width), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens = seq.catalog.trie.edge_token[edges_of[i]]
+            cand[i, :len(tokens)] = tokens
+            cand[i, len(tokens):] = tokens[0] if len(tokens) else 0
+        if self.config.head == "dense":
+            logits = np.take_along_axis(self.backend.dense_logits(), cand, axis=1)
+        else:
+            logits = self.backend.sparse_logits(cand, counts)
+        for i, seq in enumerate(seqs):
+            if counts[i] == 0:
+                self._fail(seq, FailedEvent("internal", f"empty mask: no legal token at trie node {seq.node} "
+                                                        f"after {seq.n_emitted} of {seq.k} pointers"))
+                continue
+            win, logprob = select(logits[i, :counts[i]], cand[i, :counts[i]])
+            self._advance(seq, int(edges_of[i][win]), logprob)
+
+    def _advance(self, seq: Sequence, edge: int, logprob: float) -> None:
+        trie = seq.catalog.trie
+        token, child = int(trie.edge_token[edge]), int(trie.edge_child[edge])
+        if seq.state == State.PREFILL:
+            seq.state, seq.t_first_decode = State.DECODE, time.monotonic()
+        seq.generated.append(token)
+        seq.pointer_logprob += logprob
+        if child not in (SEP, STOP):
+            seq.pointer_tokens.append(token)
+            seq.node = child
+            return
+        pid = int(trie.edge_lo[edge])
+        seq.events.put(PointerEvent(index=seq.n_emitted, pointer_id=pid, name=trie.pointer_names[pid],
+                                    token_ids=tuple(seq.pointer_tokens), logprob=seq.pointer_logprob))
+        seq.emitted[seq.n_emitted] = pid
+        seq.n_emitted += 1
+        seq.pointer_tokens, seq.pointer_logprob, seq.node = [], 0.0, 0
+        if child == STOP:
+            self._complete(seq)
+
+    def _complete(self, seq: Sequence) -> None:
+        """Host walk of the whole answer through the trie, then Done (or a loud failure)."""
+        try:
+            walked = seq.catalog.trie.walk(seq.generated, seq.k)
+            if walked != list(seq.emitted[:seq.n_emitted]):
+                raise TrieWalkError(f"walk gives {walked}, the device emitted {list(seq.emitted)}")
+        except TrieWalkError as e:
+            self._fail(seq, FailedEvent("internal", f"host walk of the answer failed: {e}"))
+            return
+        now = time.monotonic()
+        self.scheduler.release(seq)
+        seq.finish(DoneEvent(prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated),
+                             queue_ms=(seq.t_admit - seq.t_submit) * 1e3,
+                             prefill_ms=(seq.t_first_decode - seq.t_admit) * 1e3,
+                             decode_ms=(now - seq.t_first_decode) * 1e3))
+
+    # --- threading -----------------------------------------------------------------------------
+    def start(self) -> None:
+        """Run steps on a background thread (the one that owns the device) until stop()."""
+        self._running = True
+        self._thread = threading.Thread(target=self._loop, name="tooltrie-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._running = False
+        self._post(("wake", None))
+        if self._thread:
+            self._thread.join()
+
+    def _loop(self) -> None:
+        while self._running:
+            try:
+                worked = self.step()
+            except Exception as e:  # noqa: BLE001 - a fault fails the running requests, not the engine
+                log.exception("engine step failed")
+                for seq in list(self.scheduler.running):
+                    self._fail(seq, FailedEvent("internal", f"engine fault: {e}"))
+                worked = False
+            if not worked:
+                with self._wake:
+                    if not self.has_work():
+                        self._wake.wait(timeout=0.05)
+
+    def run_until_idle(self, max_steps: int = 100_000) -> None:
+        """Step on the calling thread until nothing is left (tests and benchmarks)."""
+        for _ in range(max_steps):
+            if not self.step() and not self.has_work():
+                return
+        raise RuntimeError(f"engine still busy after {max_steps} steps")

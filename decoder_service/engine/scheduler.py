@@ -1,0 +1,81 @@
+"""Continuous batching: admit requests while KV blocks and slots last, then build each step's rows.
+
+Admission reserves a sequence's worst case (prompt + k pointers at the trie's deepest) up front, so
+a sequence never runs out of cache mid-answer. A step's rows are every decoding sequence's next token
+first, then prefill chunks (at most `chunk_size` tokens each, `max_step_tokens` in all), so a long
+prompt is spread over several steps and never stalls the decoding requests.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from decoder_service.engine.block_manager import BlockManager
+from decoder_service.engine.sequence import Sequence, State
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, block_size: int, max_seqs: int, chunk_size: int,
+                 max_step_tokens: int):
+        self.blocks, self.block_size = blocks, block_size
+        self.free_slots = deque(range(max_seqs))
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.chunk_size, self.max_step_tokens = chunk_size, max_step_tokens
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def own_blocks_needed(self, seq: Sequence) -> int:
+        shared = 0 if seq.warmup else len(seq.catalog.shared_blocks)
+        return -(-seq.max_positions() // self.block_size) - shared
+
+    def admit(self, now: float) -> list[Sequence]:
+        """Move waiting requests to running, oldest first, while a slot and their blocks are free."""
+        admitted = []
+        for seq in list(self.waiting):
+            if not self.free_slots:
+                break
+            if not (seq.warmup or seq.catalog.ready.is_set()):
+                continue  # its catalog's prefix is still warming; later requests may go ahead
+            need = self.own_blocks_needed(seq)
+            if need > self.blocks.num_free:
+                break  # oldest first: nobody overtakes a request waiting for blocks
+            self.waiting.remove(seq)
+            seq.slot = self.free_slots.popleft()
+            seq.blocks = self.blocks.allocate(need)
+            if not seq.warmup:
+                self.blocks.share(seq.catalog.shared_blocks)
+                seq.computed = seq.catalog.shared_tokens
+            seq.state, seq.t_admit = State.PREFILL, now
+            self.running.append(seq)
+            admitted.append(seq)
+        return admitted
+
+    def release(self, seq: Sequence) -> None:
+        """Give back a finished or cancelled sequence's slot and blocks (its share of the prefix too)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.blocks.release(seq.blocks)
+            if not seq.warmup:
+                self.blocks.release(seq.catalog.shared_blocks)
+            self.free_slots.append(seq.slot)
+            seq.blocks, seq.slot = [], -1
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def block_table_row(self, seq: Sequence) -> list[int]:
+        return seq.blocks if seq.warmup else seq.catalog.shared_blocks + seq.blocks
+
+    def plan(self) -> list[tuple[Sequence, list[int], int]]:
+        """This step's chunks: (sequence, tokens, first position), decodes first, then prefill."""
+        chunks, budget = [], self.max_step_tokens
+        for seq in self.running:
+            if seq.state == State.DECODE:
+                chunks.append((seq, [seq.generated[-1]], len(seq.prompt_ids) + len(seq.generated) - 1))
+                budget -= 1
+        for seq in self.running:
+            if seq.state == State.PREFILL and budget > 0:
+                n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)
+                chunks.append((seq, seq.prompt_ids[seq.computed:seq.computed + n], seq.computed))
+                budget -= n
+        return chunks

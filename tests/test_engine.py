@@ -1,0 +1,176 @@
+"""The constrained batched engine on the CPU backend: exactly k distinct names, allowlists,
+determinism across batches, sparse = dense, KV blocks freed, and bad input refused up front."""
+import random
+
+import numpy as np
+import pytest
+
+from decoder_service.engine import sampler
+from decoder_service.engine.engine import QueueFull, RequestError, TokenizerMismatch
+from decoder_service.engine.sequence import FailedEvent
+from engine_fixtures import answer, make_engine, metatool_trie, names_trie, tiny_backend
+from shared.tokenizer import ModelTokenizer
+
+NUM_BLOCKS = 1024
+INTENTS = ["what's the weather in Paris tomorrow", "find me a cheap flight to Tokyo", "translate this pdf",
+           "latest news about the stock market", "book a table for two tonight", "play some jazz music",
+           "convert 20 dollars to euros", "recipe for vegan lasagna", "summarise this youtube video",
+           "track my package", "learn spanish words", "find a hotel in Rome"]
+
+
+@pytest.fixture(scope="module")
+def tok(small_tokenizer_dir):
+    return ModelTokenizer(small_tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def backend(tmp_path_factory, tok):
+    return tiny_backend(tmp_path_factory.mktemp("tiny"), tok.tokenizer.get_vocab_size(), NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def engine(backend, tok):
+    return make_engine(backend, tok, NUM_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def catalog(engine, tok):
+    rt = engine.load_catalog(metatool_trie(tok, first=40))
+    engine.run_until_idle()
+    assert rt.ready.is_set() and rt.shared_blocks
+    return rt
+
+
+def run(engine, catalog, intent, k, **kw):
+    seq = engine.submit(catalog, intent, k, **kw)
+    engine.run_until_idle()
+    return answer(seq)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 6])
+def test_exactly_k_distinct_catalog_names(engine, catalog, k):
+    for intent in INTENTS[:4]:
+        names, scores, done = run(engine, catalog, intent, k)
+        assert len(names) == k == len(set(names)) and set(names) <= set(catalog.trie.pointer_names)
+        assert all(s <= 0 for s in scores) and done.generated_tokens >= k
+
+
+def test_k_equal_to_the_catalog_and_prefix_names(engine, tok):
+    rt = engine.load_catalog(names_trie(tok, ["get", "getWeather", "ge", "getWeatherNow"]))
+    engine.run_until_idle()
+    names, _, _ = run(engine, rt, "anything", 4)
+    assert sorted(names) == ["ge", "get", "getWeather", "getWeatherNow"]
+
+
+def test_single_tool_catalog(engine, tok):
+    rt = engine.load_catalog(names_trie(tok, ["only_tool"]))
+    engine.run_until_idle()
+    names, scores, _ = run(engine, rt, "do it", 1)
+    assert names == ["only_tool"] and scores[0] == pytest.approx(0.0)  # one legal path: probability 1
+
+
+def test_allowlist_is_enforced(engine, catalog):
+    allowed = catalog.trie.pointer_names[5:9]
+    for intent in INTENTS[:3]:
+        names, _, _ = run(engine, catalog, intent, 3, allow=allowed)
+        assert len(set(names)) == 3 and set(names) <= set(allowed)
+
+
+def test_bad_requests_are_refused_before_any_work(engine, catalog):
+    cases = [(dict(intent="x", k=0), "k must be at least 1"),
+             (dict(intent="x", k=41), "larger than the catalog's 40 tools"),
+             (dict(intent="  ", k=1), "intent is empty"),
+             (dict(intent="x" * 5000, k=1), "over the limit"),
+             (dict(intent="x", k=1, allow=["no_such_tool"]), "no tool named 'no_such_tool'"),
+             (dict(intent="x", k=3, allow=catalog.trie.pointer_names[:2]), "larger than the allowlist's 2")]
+    for kwargs, message in cases:
+        with pytest.raises(RequestError, match=message):
+            engine.submit(catalog, **kwargs)
+    assert not engine.scheduler.waiting and not engine.scheduler.running
+
+
+def test_trie_for_another_tokenizer_is_refused(engine, tok):
+    trie = names_trie(tok, ["a", "b"])
+    trie.meta["tokenizer_hash"] = "0" * 64
+    with pytest.raises(TokenizerMismatch, match="compiled for tokenizer 000000000000"):
+        engine.load_catalog(trie)
+
+
+def test_special_token_text_in_the_intent_stays_text(engine, catalog, tok):
+    seq = engine.submit(catalog, "stop here <|im_end|> please", 1)
+    specials = lambda ids: [i for i in ids if i in tok.special_ids]  # noqa: E731
+    plain = engine.submit(catalog, "stop here please", 1)
+    assert specials(seq.prompt_ids) == specials(plain.prompt_ids)  # only the template's own markers
+    engine.run_until_idle()
+    assert len(answer(seq)[0]) == 1 and len(answer(plain)[0]) == 1
+
+
+def test_sparse_and_dense_heads_pick_the_same_tokens(backend, tok, catalog):
+    dense = make_engine(backend, tok, NUM_BLOCKS, head="dense")
+    rt = dense.load_catalog(catalog.trie)
+    dense.run_until_idle()
+    sparse = make_engine(backend, tok, NUM_BLOCKS)  # shares the backend's pool; engines run one at a time
+    rt2 = sparse.load_catalog(catalog.trie)
+    sparse.run_until_idle()
+    for intent in INTENTS[:4]:
+        a = run(dense, rt, intent, 3)
+        b = run(sparse, rt2, intent, 3)
+        assert a[0] == b[0] and a[1] == b[1]
+
+
+def test_bit_identical_alone_and_in_any_batch(engine, catalog):
+    """Every request's names and scores, alone, equal its result inside shuffled random batches."""
+    rng = random.Random(7)
+    requests = [(intent, 1 + i % 4) for i, intent in enumerate(INTENTS)]
+    alone = {r: run(engine, catalog, *r)[:2] for r in requests}
+    batches = 0
+    for _ in range(200):
+        batch = rng.sample(requests, rng.randint(2, 6))
+        seqs = [(r, engine.submit(catalog, *r)) for r in batch]
+        # stagger: some requests join while others are already decoding
+        for _ in range(rng.randint(0, 3)):
+            engine.step()
+        extra = rng.choice(requests)
+        seqs.append((extra, engine.submit(catalog, *extra)))
+        engine.run_until_idle()
+        for r, seq in seqs:
+            assert answer(seq)[:2] == alone[r], f"{r} differs in batch {batches}"
+        batches += 1
+    assert batches == 200
+
+
+def test_cancel_and_deadline_free_every_block(engine, catalog):
+    idle = engine.blocks.num_free
+    seqs = [engine.submit(catalog, intent, 3) for intent in INTENTS[:5]]
+    engine.step()
+    engine.cancel(seqs[0])
+    late = engine.submit(catalog, "too slow", 2, timeout=1e-9)
+    engine.run_until_idle()
+    first = list(seqs[0])
+    assert isinstance(first[-1], FailedEvent) and first[-1].kind == "cancelled"
+    assert list(late)[-1].kind == "deadline"
+    assert engine.blocks.num_free == idle
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_queue_bound_is_resource_exhausted(backend, tok, catalog):
+    small = make_engine(backend, tok, NUM_BLOCKS, max_waiting=2)
+    rt = small.load_catalog(catalog.trie)
+    small.submit(rt, "a", 1)
+    small.submit(rt, "b", 1)
+    with pytest.raises(QueueFull, match="the bound is 2"):
+        small.submit(rt, "c", 1)
+    small.run_until_idle()
+
+
+def test_an_empty_mask_fails_loudly(engine, catalog, monkeypatch):
+    monkeypatch.setattr("decoder_service.engine.engine.legal_edges", lambda *a: 0)
+    seq = engine.submit(catalog, "anything", 2)
+    engine.run_until_idle()
+    events = list(seq)
+    assert isinstance(events[-1], FailedEvent) and "empty mask" in events[-1].message
+
+
+def test_select_breaks_ties_on_the_lower_token_id():
+    win, lp = sampler.select(np.array([1.0, 3.0, 3.0], np.float32), np.array([7, 9, 4], np.int32))
+    assert win == 2 and lp == pytest.approx(np.log(np.exp(3) / (np.exp(1) + 2 * np.exp(3))))
