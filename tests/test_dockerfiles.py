@@ -80,6 +80,14 @@ def final(name: str) -> dict:
     return stages(DOCKERFILES[name])[-1]
 
 
+def base_pod(name: str) -> tuple[dict, dict]:
+    """(pod spec, main container) of the service's Deployment in k8s/base."""
+    deployment = next(d for d in yaml.safe_load_all((REPO / "k8s" / "base" / f"{name}.yaml").read_text())
+                      if d["kind"] == "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    return spec, next(c for c in spec["containers"] if c["name"] == name)
+
+
 def of(stage: dict, keyword: str) -> list[str]:
     return [rest for k, rest in stage["body"] if k == keyword]
 
@@ -141,9 +149,22 @@ def test_final_stage_runs_as_the_non_root_user_the_pods_expect(name):
     uid = users[-1].split(":")[0]
     assert uid.isdigit() and int(uid) >= 1000, f"{name}: USER {users[-1]} (numeric, non-root)"
     # Kubernetes' runAsNonRoot checks the uid; the Deployment pins the same one.
-    deployment = next(d for d in yaml.safe_load_all((REPO / "k8s" / "base" / f"{name}.yaml").read_text())
-                      if d["kind"] == "Deployment")
-    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
+    spec, _ = base_pod(name)
+    assert spec["securityContext"]["runAsUser"] == int(uid)
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_numba_cache_is_on_a_writable_volume_in_the_pod(name):
+    """The pods run with a read-only root filesystem and the user has no home: numba's kernel
+    cache (cache=True) would have nowhere to go and fail at the first compile."""
+    cache = env_of(final(name))["NUMBA_CACHE_DIR"]
+    spec, container = base_pod(name)
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    mount = next((m for m in container["volumeMounts"]
+                  if (cache + "/").startswith(m["mountPath"].rstrip("/") + "/")), None)
+    assert mount and not mount.get("readOnly"), f"{name}: {cache} is not on a writable volume"
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    assert "emptyDir" in volume
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -179,9 +200,7 @@ def test_ports_match_settings_and_manifests(name):
     exposed = {int(p) for line in of(stage, "EXPOSE") for p in line.split()}
     expected = {int(env[ADDR_VARS[name]].rpartition(":")[2]), int(env["TOOLTRIE_METRICS_PORT"])}
     assert exposed == expected
-    deployment = next(d for d in yaml.safe_load_all((REPO / "k8s" / "base" / f"{name}.yaml").read_text())
-                      if d["kind"] == "Deployment")
-    container = next(c for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == name)
+    _, container = base_pod(name)
     assert {p["containerPort"] for p in container["ports"]} == expected
 
 

@@ -44,9 +44,12 @@ RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/model \
 FROM ${PYTHON_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="tooltrie-compiler" \
       org.opencontainers.image.description="tooltrie catalog compiler (gRPC :50051, metrics :9464)"
+# NUMBA_CACHE_DIR: code is read-only and the user has no home, so numba's on-disk kernel cache
+# (cache=True) must be pointed at a writable place; the pods mount an emptyDir on /tmp.
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
+    NUMBA_CACHE_DIR=/tmp/numba-cache \
     TOOLTRIE_MODEL_DIR=/opt/tooltrie/model \
     TOOLTRIE_COMPILER_ADDR=0.0.0.0:50051 \
     TOOLTRIE_METRICS_PORT=9464

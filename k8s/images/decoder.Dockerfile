@@ -54,6 +54,8 @@ RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/model
 FROM ${CUDA_IMAGE} AS runtime
 LABEL org.opencontainers.image.title="tooltrie-decoder" \
       org.opencontainers.image.description="tooltrie decoder (gRPC :50052, metrics :9464)"
+# NUMBA_CACHE_DIR: code is read-only and the user has no home, so numba's on-disk kernel cache
+# (cache=True) must be pointed at a writable place; the pods mount an emptyDir on /tmp.
 ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
