@@ -25,6 +25,10 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_KEEP_VERSIONS": ("10", "versions kept per catalog (the latest is never dropped)"),
     "TOOLTRIE_BACKEND": ("auto", "decoder backend: auto, cuda or cpu"),
     "TOOLTRIE_DRAIN_SECONDS": ("30", "grace period for in-flight requests after SIGTERM"),
+    "TOOLTRIE_CATALOGS": ("", "comma-separated catalogs the decoder serves; empty means every published one"),
+    "TOOLTRIE_KV_TOKENS": ("65536", "decoder KV pool size in token positions"),
+    "TOOLTRIE_MAX_SEQS": ("64", "decoder: sequences decoded at once"),
+    "TOOLTRIE_MAX_WAITING": ("256", "decoder: bounded request queue; past it RESOURCE_EXHAUSTED"),
 }
 
 
@@ -47,3 +51,7 @@ class Settings:
     keep_versions: int = field(default_factory=lambda: int(_env("TOOLTRIE_KEEP_VERSIONS")))
     backend: str = field(default_factory=lambda: _env("TOOLTRIE_BACKEND"))
     drain_seconds: float = field(default_factory=lambda: float(_env("TOOLTRIE_DRAIN_SECONDS")))
+    catalogs: list[str] = field(default_factory=lambda: [c for c in _env("TOOLTRIE_CATALOGS").split(",") if c])
+    kv_tokens: int = field(default_factory=lambda: int(_env("TOOLTRIE_KV_TOKENS")))
+    max_seqs: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_SEQS")))
+    max_waiting: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_WAITING")))

@@ -1,0 +1,153 @@
+"""The decoder service: streaming Discover and GetInfo over gRPC, catalogs followed from Redis.
+
+`python -m decoder_service.server` loads the model (GPU when there is one, else the CPU backend),
+loads and warms the latest version of each published catalog, reports SERVING on the standard
+health service, and serves until SIGTERM, which drains in-flight requests first.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from decoder_service.catalogs import CatalogManager
+from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError
+from decoder_service.engine.sequence import DoneEvent, FailedEvent
+from shared.config import Settings
+from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
+from shared.serving import (RPC_TOTAL, make_server, set_serving, setup_logging, start_metrics, status_for,
+                            wait_for_termination)
+from shared.store import CatalogStore, NotFound
+
+log = logging.getLogger("tooltrie.decoder")
+SERVICE = pb.DESCRIPTOR.services_by_name["DecoderService"].full_name
+QUEUE_DEPTH = Gauge("tooltrie_decoder_queue_depth", "Discover requests waiting for admission")
+RUNNING = Gauge("tooltrie_decoder_running_batch", "Sequences in the running batch")
+KV_USED = Gauge("tooltrie_decoder_kv_blocks_used", "KV pool blocks in use")
+FIRST_POINTER = Histogram("tooltrie_time_to_first_pointer_seconds", "From request to its first tool name")
+STEP_SECONDS = Histogram("tooltrie_decode_step_seconds", "One engine step (forward pass and sampler)")
+REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code", ["code"])
+
+FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
+                "cancelled": grpc.StatusCode.CANCELLED}
+
+
+class DecoderServicer(pb_grpc.DecoderServiceServicer):
+    def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict):
+        self.engine, self.catalogs, self.info = engine, catalogs, info
+        self.draining = False
+
+    def _abort(self, context, code: grpc.StatusCode, message: str):
+        REQUESTS.labels(code.name).inc()
+        RPC_TOTAL.labels(SERVICE, "Discover", code.name).inc()
+        context.abort(code, message)
+
+    def Discover(self, request, context):
+        started = time.monotonic()
+        if self.draining:
+            self._abort(context, grpc.StatusCode.UNAVAILABLE, "the decoder is shutting down")
+        try:
+            rt = self.catalogs.acquire(request.catalog, request.version)
+        except Exception as e:  # noqa: BLE001 - mapped to a status
+            self._abort(context, status_for(e) or grpc.StatusCode.INTERNAL, str(e))
+        try:
+            try:
+                seq = self.engine.submit(rt, request.intent, request.k, list(request.allow) or None,
+                                         request.request_id or None, timeout=context.time_remaining())
+            except RequestError as e:
+                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except QueueFull as e:
+                self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            context.add_callback(lambda: self.engine.cancel(seq))
+            name, version = rt.key
+            log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": seq.request_id})
+            yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=seq.request_id))
+            for event in seq:
+                if isinstance(event, FailedEvent):
+                    self._abort(context, FAILED_CODES.get(event.kind, grpc.StatusCode.INTERNAL), event.message)
+                if isinstance(event, DoneEvent):
+                    REQUESTS.labels("OK").inc()
+                    yield pb.DiscoverEvent(done=pb.Done(**event.__dict__))
+                    return
+                if event.index == 0:
+                    FIRST_POINTER.observe(time.monotonic() - started)
+                yield pb.DiscoverEvent(pointer=pb.Pointer(index=event.index, name=event.name,
+                                                          token_ids=list(event.token_ids), logprob=event.logprob))
+        finally:
+            self.catalogs.release(rt)
+
+    def GetInfo(self, request, context):
+        e = self.engine
+        return pb.GetInfoResponse(
+            **self.info, kv_capacity_tokens=e.blocks.num_blocks * e.block_size, kv_block_size=e.block_size,
+            kv_free_blocks=e.blocks.num_free, max_sequences=e.config.max_seqs,
+            catalogs=[pb.LoadedCatalog(name=c["name"], version=c["version"], latest=c["latest"], ready=c["ready"],
+                                       tools=c["tools"], prefix_tokens=c["prefix_tokens"],
+                                       active_requests=c["active_requests"]) for c in self.catalogs.describe()])
+
+
+def build_engine(settings: Settings):
+    """Model, backend, KV pool and engine from the settings; returns (engine, info for GetInfo)."""
+    from decoder_service.model.backend import make_backend
+    from decoder_service.model.config import ModelConfig
+    from decoder_service.model.kv_pool import KVPoolSpec
+    from decoder_service.model.weights import load_weights
+    from shared.tokenizer import ModelTokenizer
+    cfg = ModelConfig.from_dir(settings.model_dir)
+    kv_spec = KVPoolSpec.from_tokens(settings.kv_tokens)
+    backend = make_backend(cfg, load_weights(settings.model_dir, cfg), kv_spec, backend=settings.backend)
+    engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
+                          block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
+                          config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting))
+    info = {"model": str(settings.model_dir.name), "backend": getattr(backend, "name", type(backend).__name__),
+            "device": getattr(backend, "device", "cpu")}
+    return engine, info
+
+
+def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        QUEUE_DEPTH.set(engine.queue_depth())
+        RUNNING.set(len(engine.scheduler.running))
+        KV_USED.set(engine.blocks.num_blocks - engine.blocks.num_free)
+
+
+def serve(settings: Settings | None = None) -> None:
+    settings = settings or Settings()
+    if not settings.redis_url:
+        raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
+    engine, info = build_engine(settings)
+    engine.start()
+    store = CatalogStore.from_url(settings.redis_url, settings.namespace)
+    catalogs = CatalogManager(store, engine, settings.catalogs or None)
+    servicer = DecoderServicer(engine, catalogs, info)
+    server, health = make_server(settings.decoder_addr,
+                                 lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE])
+    start_metrics(settings.metrics_port)
+    server.start()
+    log.info("decoder listening on %s (%s on %s); warming catalogs", settings.decoder_addr, info["backend"],
+             info["device"])
+    catalogs.start()
+    stop_metrics = threading.Event()
+    threading.Thread(target=watch_metrics, args=(engine, stop_metrics), daemon=True).start()
+
+    def mark_ready():
+        while not catalogs.ready():
+            time.sleep(0.2)
+        set_serving(health, [SERVICE], True)
+        log.info("serving: %s", ", ".join(f"{c['name']} v{c['version']}" for c in catalogs.describe()))
+    threading.Thread(target=mark_ready, daemon=True).start()
+
+    def before_stop():
+        servicer.draining = True
+        catalogs.stop()
+    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=before_stop)
+    stop_metrics.set()
+    engine.stop()
+
+
+if __name__ == "__main__":
+    setup_logging()
+    serve()

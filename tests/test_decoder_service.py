@@ -1,0 +1,155 @@
+"""The decoder over real gRPC against a real Redis, on the CPU backend with a tiny random model.
+
+The model is tiny and random (the real one is exercised by the model tests); what is under test here
+is the service: streaming, version pinning, hot swap under load, error codes, and freed KV blocks.
+"""
+import json
+import threading
+import time
+import uuid
+
+import grpc
+import pytest
+
+from decoder_service.catalogs import CatalogManager
+from decoder_service.server import SERVICE, DecoderServicer
+from engine_fixtures import make_engine, tiny_backend
+from compiler_service.compiler import compile_catalog
+from shared.catalog import catalog_from_entries
+from shared.redis_server import free_port
+from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
+from shared.serving import make_server, set_serving
+from shared.store import CatalogStore
+from shared.tokenizer import ModelTokenizer
+from tokenizer_fixtures import catalog_path
+
+NUM_BLOCKS = 2048
+TOOLS = json.loads(catalog_path("metatool").read_text())[:30]
+
+
+def tries(tok, tools):
+    return compile_catalog(catalog_from_entries(tools), tok)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, small_tokenizer_dir, redis_url):
+    tok = ModelTokenizer(small_tokenizer_dir)
+    backend = tiny_backend(tmp_path_factory.mktemp("tiny"), tok.tokenizer.get_vocab_size(), NUM_BLOCKS)
+    engine = make_engine(backend, tok, NUM_BLOCKS, max_waiting=64)
+    engine.start()
+    store = CatalogStore.from_url(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    store.publish("demo", tries(tok, TOOLS))
+    catalogs = CatalogManager(store, engine)
+    catalogs.start()
+    servicer = DecoderServicer(engine, catalogs, {"model": "tiny", "backend": "cpu", "device": "cpu"})
+    addr = f"127.0.0.1:{free_port()}"
+    server, health = make_server(addr, lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE])
+    server.start()
+    deadline = time.monotonic() + 60
+    while not catalogs.ready():
+        assert time.monotonic() < deadline, "catalog did not warm"
+        time.sleep(0.05)
+    set_serving(health, [SERVICE], True)
+    channel = grpc.insecure_channel(addr)
+    yield {"stub": pb_grpc.DecoderServiceStub(channel), "store": store, "tok": tok, "engine": engine,
+           "catalogs": catalogs}
+    channel.close()
+    server.stop(0)
+    catalogs.stop()
+    engine.stop()
+
+
+def discover(stub, **kw):
+    events = list(stub.Discover(pb.DiscoverRequest(**kw), timeout=60))
+    accepted, pointers, done = events[0].accepted, [e.pointer for e in events[1:-1]], events[-1].done
+    assert events[0].HasField("accepted") and events[-1].HasField("done")
+    return accepted, pointers, done
+
+
+def test_discover_streams_exactly_k_distinct_names_of_the_pinned_version(stack):
+    accepted, pointers, done = discover(stack["stub"], catalog="demo", intent="weather in Paris", k=3,
+                                        request_id="req-1")
+    assert accepted.catalog == "demo" and accepted.version >= 1 and accepted.request_id == "req-1"
+    names = [p.name for p in pointers]
+    assert [p.index for p in pointers] == [0, 1, 2] and len(set(names)) == 3
+    assert set(names) <= {t["name"] for t in TOOLS}
+    assert all(p.logprob <= 0 and p.token_ids for p in pointers) and done.generated_tokens >= 3
+
+
+@pytest.mark.parametrize("request_, code, message", [
+    (dict(catalog="nope", intent="x", k=1), grpc.StatusCode.NOT_FOUND, "no catalog named 'nope'"),
+    (dict(catalog="demo", intent="x", k=0), grpc.StatusCode.INVALID_ARGUMENT, "k must be at least 1"),
+    (dict(catalog="demo", intent="x", k=31), grpc.StatusCode.INVALID_ARGUMENT, "larger than the catalog"),
+    (dict(catalog="demo", intent="", k=1), grpc.StatusCode.INVALID_ARGUMENT, "intent is empty"),
+    (dict(catalog="demo", intent="x", k=1, allow=["missing"]), grpc.StatusCode.INVALID_ARGUMENT, "'missing'"),
+    (dict(catalog="demo", version=999, intent="x", k=1), grpc.StatusCode.NOT_FOUND, "has no version 999"),
+])
+def test_error_codes(stack, request_, code, message):
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Discover(pb.DiscoverRequest(**request_), timeout=30))
+    assert err.value.code() == code and message in err.value.details()
+
+
+def test_allowlist_through_the_service(stack):
+    allowed = [t["name"] for t in TOOLS[3:6]]
+    _, pointers, _ = discover(stack["stub"], catalog="demo", intent="anything", k=2, allow=allowed)
+    assert {p.name for p in pointers} <= set(allowed)
+
+
+def test_get_info(stack):
+    info = stack["stub"].GetInfo(pb.GetInfoRequest())
+    assert info.backend == "cpu" and info.kv_capacity_tokens == NUM_BLOCKS * 16
+    assert any(c.name == "demo" and c.latest and c.ready for c in info.catalogs)
+
+
+def test_deadline_and_cancellation_free_every_block(stack):
+    engine, stub = stack["engine"], stack["stub"]
+    time.sleep(0.2)
+    idle = engine.blocks.num_free
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Discover(pb.DiscoverRequest(catalog="demo", intent="slow " * 200, k=6), timeout=0.05))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    call = stub.Discover(pb.DiscoverRequest(catalog="demo", intent="cancel me", k=6), timeout=30)
+    next(call)
+    call.cancel()
+    deadline = time.monotonic() + 10
+    while engine.blocks.num_free != idle or engine.scheduler.running:
+        assert time.monotonic() < deadline, f"{idle - engine.blocks.num_free} blocks still held"
+        time.sleep(0.05)
+
+
+def test_hot_swap_under_load(stack):
+    """While requests stream from several threads, publish new versions and roll one back: no request
+    fails and every answer's names belong to the version its Accepted event names."""
+    store, tok, stub = stack["store"], stack["tok"], stack["stub"]
+    names_of = {}
+    for info in store.list_versions("demo"):
+        names_of[info.version] = {t["name"] for t in TOOLS}
+    errors, answers, stop = [], [], threading.Event()
+
+    def client(i):
+        while not stop.is_set():
+            try:
+                accepted, pointers, _ = discover(stub, catalog="demo", intent=f"request {i} {len(answers)}", k=2)
+                answers.append((accepted.version, [p.name for p in pointers]))
+            except Exception as e:  # noqa: BLE001 - collected and asserted below
+                errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for n in range(6):
+        tools = TOOLS[n:n + 20] + [{"name": f"new_tool_{n}", "description": "added in this version"}]
+        info, _ = store.publish("demo", tries(tok, tools))
+        names_of[info.version] = {t["name"] for t in tools}
+        time.sleep(0.4)
+    store.set_latest("demo", info.version - 2)
+    time.sleep(1.0)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[:3]
+    assert len(answers) >= 20
+    for version, names in answers:
+        assert set(names) <= names_of[version], (version, names)
+    assert {v for v, _ in answers} - {1} and stack["catalogs"].latest["demo"] == info.version - 2
