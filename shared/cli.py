@@ -98,10 +98,23 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def cmd_discover(args) -> int:
+    from shared.client import DecoderClient
+    with DecoderClient(args.decoder, timeout=args.timeout) as client:
+        for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow):
+            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, {tool.catalog} v{tool.version})",
+                  flush=True)
+        d = client.done
+        print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; queue {d.queue_ms:.0f} ms, "
+              f"prefill {d.prefill_ms:.0f} ms, decode {d.decode_ms:.0f} ms")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     settings = Settings()
     p = argparse.ArgumentParser(prog="tooltrie", description=__doc__.splitlines()[0])
     p.add_argument("--compiler", default=settings.compiler_addr, help="compiler service host:port")
+    p.add_argument("--decoder", default=settings.decoder_addr, help="decoder service host:port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -125,6 +138,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.add_argument("--json", action="store_true")
     c.set_defaults(run=cmd_versions)
+
+    c = sub.add_parser("discover", help="ask the decoder for k tools for an intent (streamed)")
+    c.add_argument("intent")
+    c.add_argument("-k", type=int, default=1)
+    c.add_argument("--catalog", required=True)
+    c.add_argument("--version", type=int, default=0, help="0: the latest loaded version")
+    c.add_argument("--allow", nargs="*", help="only these tool names may be returned")
+    c.set_defaults(run=cmd_discover)
 
     c = sub.add_parser("rollback", help="make an older stored version the latest")
     c.add_argument("name")

@@ -51,7 +51,7 @@ def stack(tmp_path_factory, small_tokenizer_dir, redis_url):
         time.sleep(0.05)
     set_serving(health, [SERVICE], True)
     channel = grpc.insecure_channel(addr)
-    yield {"stub": pb_grpc.DecoderServiceStub(channel), "store": store, "tok": tok, "engine": engine,
+    yield {"stub": pb_grpc.DecoderServiceStub(channel), "addr": addr, "store": store, "tok": tok, "engine": engine,
            "catalogs": catalogs}
     channel.close()
     server.stop(0)
@@ -153,3 +153,26 @@ def test_hot_swap_under_load(stack):
     for version, names in answers:
         assert set(names) <= names_of[version], (version, names)
     assert {v for v, _ in answers} - {1} and stack["catalogs"].latest["demo"] == info.version - 2
+
+
+def test_python_clients_and_cli(stack, capsys):
+    import asyncio
+
+    from shared import cli
+    from shared.client import AsyncDecoderClient, DecoderClient
+    addr = stack["addr"]
+    with DecoderClient(addr) as client:
+        tools = list(client.discover("demo", "find flights", k=2))
+    assert [t.index for t in tools] == [0, 1] and client.done.generated_tokens >= 2
+
+    async def run_async():
+        c = AsyncDecoderClient(addr)
+        try:
+            return [t async for t in c.discover("demo", "find flights", k=2)]
+        finally:
+            await c.close()
+    assert [t.name for t in asyncio.run(run_async())] == [t.name for t in tools]
+    assert cli.main(["--decoder", addr, "discover", "find flights", "-k", "2", "--catalog", "demo"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"1. {tools[0].name}") and "prefill" in out
+    assert cli.main(["--decoder", addr, "discover", "x", "-k", "0", "--catalog", "demo"]) == 2

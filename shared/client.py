@@ -1,0 +1,89 @@
+"""A small Python client for orchestrators: Discover as an iterator (sync) or async iterator (asyncio).
+
+    from shared.client import DecoderClient
+    with DecoderClient("127.0.0.1:50052") as client:
+        for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
+            print(tool.name, tool.logprob)
+
+Across several decoder replicas, pass a `dns:///host:port` target: the channel balances requests
+round-robin over every address the name resolves to (docs/deploy.md).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import grpc
+
+from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
+
+ROUND_ROBIN = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))]
+
+
+@dataclass(frozen=True)
+class Tool:
+    index: int
+    name: str
+    logprob: float
+    catalog: str
+    version: int
+
+
+def _request(catalog, intent, k, version, allow, request_id) -> pb.DiscoverRequest:
+    return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
+                              request_id=request_id or "")
+
+
+class DecoderClient:
+    def __init__(self, target: str, timeout: float = 60.0):
+        self.channel = grpc.insecure_channel(target, options=ROUND_ROBIN)
+        self.stub = pb_grpc.DecoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
+                 request_id: str | None = None):
+        """Yield each Tool as soon as the decoder completes it; the last event's timings are in .done."""
+        accepted = None
+        for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id), timeout=self.timeout):
+            kind = event.WhichOneof("event")
+            if kind == "accepted":
+                accepted = event.accepted
+            elif kind == "pointer":
+                yield Tool(event.pointer.index, event.pointer.name, event.pointer.logprob, accepted.catalog,
+                           accepted.version)
+            else:
+                self.done = event.done
+
+    def info(self) -> pb.GetInfoResponse:
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class AsyncDecoderClient:
+    def __init__(self, target: str, timeout: float = 60.0):
+        self.channel = grpc.aio.insecure_channel(target, options=ROUND_ROBIN)
+        self.stub = pb_grpc.DecoderServiceStub(self.channel)
+        self.timeout = timeout
+
+    async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
+                       request_id: str | None = None):
+        accepted = None
+        async for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id),
+                                              timeout=self.timeout):
+            kind = event.WhichOneof("event")
+            if kind == "accepted":
+                accepted = event.accepted
+            elif kind == "pointer":
+                yield Tool(event.pointer.index, event.pointer.name, event.pointer.logprob, accepted.catalog,
+                           accepted.version)
+
+    async def close(self) -> None:
+        await self.channel.close()
