@@ -1,0 +1,354 @@
+"""CudaBackend: the model step on the GPU, in the interface of docs/model_runtime_interface.md.
+
+Host-level interface (same as the cpu backend and the reference):
+    forward(batch) -> None; dense_logits() -> float32 [N, V]; sparse_logits(cand, n) -> float32 [N, C]
+
+Device-level entries for the engine (no allocation, no host synchronisation; capturable):
+    stage(batch)                 async copy of the step inputs into the device input buffers
+    launch_forward(R, N)         the forward pass of R rows; final-normed hidden of N logit rows
+    launch_dense(N)              logits of those N rows into `logits`
+    stage_candidates(cand, n)    async copy of candidate lists into `cand` / `ncand`
+    launch_sparse(N)             candidate logits into `sparse`
+    capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
+Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
+    tokens, slots, positions [max_rows] i32; logit_rows [max_logit_rows] i32;
+    block_tables [max_table] i32 (row stride = `table_stride`, set by stage() or set_table_stride());
+    hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
+    cand [max_logit_rows * max_candidates] i32, ncand [max_logit_rows] i32,
+    sparse [max_logit_rows * max_candidates] f32; kv_k, kv_v (the pool, flat
+    [L, num_blocks, block_size, n_kv, head_dim] in the storage dtype).
+
+Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
+gate/up+SwiGLU, down+residual; final norm), plus one for a head.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..batch import StepBatch
+from ..config import ModelConfig, ModelError
+from ..kv_pool import KVPoolSpec
+from ..weights import STORAGE_DTYPES, Weights, to_float32
+from . import compat  # noqa: F401
+from .kernels import SIM, WARP
+from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
+
+from numba import cuda  # noqa: E402
+import ctypes  # noqa: E402
+
+_SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
+
+
+def _pad_cols(a: np.ndarray, kp: int) -> np.ndarray:
+    """Rows padded with zeros to kp columns (no copy when already kp wide and contiguous)."""
+    if a.shape[-1] == kp:
+        return np.ascontiguousarray(a)
+    out = np.zeros(a.shape[:-1] + (kp,), a.dtype)
+    out[..., : a.shape[-1]] = a
+    return out
+
+
+def _round8(k: int) -> int:
+    return -(-k // 8) * 8
+
+
+class CudaBackend:
+    name = "cuda"
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
+                 max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
+                 max_table: int | None = None):
+        if weights.dtype not in STORAGE_DTYPES:
+            raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
+        if cfg.head_dim % 8:
+            raise ModelError(f"cuda backend: head_dim={cfg.head_dim} must be a multiple of 8 "
+                             f"(16-byte K/V row loads)")
+        self.cfg, self.spec, self.storage = cfg, kv_spec, weights.dtype
+        self.np_dtype = np.dtype(STORAGE_DTYPES[weights.dtype])
+        L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.max_rows, self.max_logit_rows, self.max_candidates = max_rows, max_logit_rows, max_candidates
+        self.max_table = max_table or max(64 * 64, 8 * max(1, -(-cfg.max_position_embeddings // kv_spec.block_size)))
+        self.dqkv = cfg.q_size + 2 * cfg.kv_size
+        self.kp_h, self.kp_q, self.kp_i = _round8(H), _round8(cfg.q_size), _round8(I)
+
+        # Launch geometry: fixed per model, never per batch (determinism by construction).
+        if SIM:
+            self.t_gemv, self.t_attn, self.t_small = 2 * WARP, 2 * WARP, 2 * WARP
+            self.sm_count = 2
+        else:
+            self.t_gemv, self.t_attn, self.t_small = 128, 128, 128
+            self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
+        if hd > 2 * self.t_attn:
+            raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
+        self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
+
+        self._check_memory(weights)
+        self.stream = Stream()
+        s = self.stream
+
+        # ---- weights, repacked for the kernels (rows padded to a multiple of 8 elements)
+        dev = cuda.to_device
+        self.w_embed = dev(_pad_cols(weights.embed, self.kp_h).reshape(-1))
+        tied = weights.lm_head is weights.embed
+        self.w_head = self.w_embed if tied else dev(_pad_cols(weights.lm_head, self.kp_h).reshape(-1))
+        self.w_qkv = dev(_pad_cols(weights.wqkv, self.kp_h).reshape(-1))
+        self.w_o = dev(_pad_cols(weights.wo, self.kp_q).reshape(-1))
+        gu = weights.w_gate_up.reshape(L, 2, I, H).transpose(0, 2, 1, 3).reshape(L, 2 * I, H)
+        self.w_gu = dev(_pad_cols(gu, self.kp_h).reshape(-1))   # rows interleaved gate0, up0, gate1, ...
+        del gu
+        self.w_down = dev(_pad_cols(weights.w_down, self.kp_i).reshape(-1))
+        f32 = lambda a: np.ascontiguousarray(to_float32(a, weights.dtype), np.float32).reshape(-1)  # noqa: E731
+        self.n_attn = dev(f32(weights.attn_norm))
+        self.n_mlp = dev(f32(weights.mlp_norm))
+        self.n_final = dev(f32(weights.final_norm))
+        one = dev(np.zeros(1, np.float32))
+        self.b_qkv = dev(f32(weights.bqkv)) if cfg.qkv_bias else one
+        self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
+        self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
+        self.inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
+
+        # ---- KV pool and step buffers
+        per_layer = kv_spec.num_blocks * kv_spec.block_size * nkv * hd
+        self.kv_layer_elems = per_layer
+        self.kv_k = cuda.device_array(L * per_layer, self.np_dtype)
+        self.kv_v = cuda.device_array(L * per_layer, self.np_dtype)
+        s.memset0(self.kv_k)
+        s.memset0(self.kv_v)
+        R, N, C = max_rows, max_logit_rows, max_candidates
+        # One int32 input buffer (one copy per step): tokens | slots | positions | logit_rows | tables
+        self._o_slots, self._o_pos, self._o_lrows, self._o_tab = R, 2 * R, 3 * R, 3 * R + N
+        n_ints = 3 * R + N + self.max_table
+        self.ints = cuda.device_array(n_ints, np.int32)
+        self.tokens = self.ints[0:R]
+        self.slots = self.ints[self._o_slots:self._o_slots + R]
+        self.positions = self.ints[self._o_pos:self._o_pos + R]
+        self.logit_rows = self.ints[self._o_lrows:self._o_lrows + N]
+        self.block_tables = self.ints[self._o_tab:n_ints]
+        self.x = cuda.device_array(R * H, np.float32)
+        self.qkv = cuda.device_array(R * self.dqkv, np.float32)
+        self.att = cuda.device_array(R * cfg.q_size, np.float32)
+        self.act = cuda.device_array(R * I, np.float32)
+        self.hidden = cuda.device_array(N * H, np.float32)
+        self.logits = cuda.device_array(N * V, np.float32)
+        self.cand_ints = cuda.device_array(N * C + N, np.int32)
+        self.cand = self.cand_ints[0:N * C]
+        self.ncand = self.cand_ints[N * C:N * C + N]
+        self.sparse = cuda.device_array(N * C, np.float32)
+        # Host staging: pinned on a device (async, capturable copies); a ring of two so a step's
+        # inputs can be written while the previous step's copy may still be queued.
+        pin = np.zeros if SIM else cuda.pinned_array
+        self._ring = [pin(n_ints, np.int32) for _ in range(2)]
+        self._ring_ev = [new_event() for _ in range(2)]
+        self._ring_i = 0
+        self._cand_host = pin(N * C + N, np.int32)
+        self._out_host = pin(max(N * V, N * C), np.float32)
+        self.table_stride = Scalar(ctypes.c_int32, 1)
+        self._R = self._N = 0
+
+        # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
+        self.kernels = {name: Kernel(name, self.storage) for name in
+                        ("k_embed", "k_gemv", "k_rope_kv", "k_attn", "k_final_norm", "k_sparse")}
+        self._build_launches()
+        s.synchronize()
+
+    # ------------------------------------------------------------------------------------ set-up
+    def _check_memory(self, weights: Weights) -> None:
+        cfg, spec = self.cfg, self.spec
+        isz = self.np_dtype.itemsize
+        w = weights.nbytes()
+        kv = 2 * cfg.num_layers * spec.num_blocks * spec.block_size * cfg.kv_size * isz
+        R, N = self.max_rows, self.max_logit_rows
+        act = 4 * (R * (cfg.hidden_size + self.dqkv + cfg.q_size + cfg.intermediate_size)
+                   + N * (cfg.hidden_size + cfg.vocab_size + 2 * self.max_candidates))
+        need = w + kv + act
+        if SIM:
+            return
+        free, total = cuda.current_context().get_memory_info()
+        if need > free:
+            raise ModelError(
+                f"cuda backend: needs {need / 2**30:.2f} GiB on the device (weights {w / 2**30:.2f}, "
+                f"KV pool {spec.num_blocks} blocks x {spec.block_size} tokens = {kv / 2**30:.2f}, "
+                f"activations {act / 2**30:.2f}) but only {free / 2**30:.2f} of {total / 2**30:.2f} "
+                f"GiB are free")
+
+    def _gemv_grid(self, n_out_rows: int) -> int:
+        nw = self.t_gemv // WARP
+        need = -(-((n_out_rows + 1) // 2) // nw)
+        cap = self.sm_count * (_SM_BLOCKS if not SIM else 2)
+        return max(1, min(need, cap))
+
+    def _build_launches(self) -> None:
+        cfg, k, st = self.cfg, self.kernels, self.stream.handle
+        L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        eps = float(cfg.rms_norm_eps)
+        dummy_map = self.logit_rows
+        tg = self.t_gemv
+        kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
+        self.l_embed = Launch(k["k_embed"], self.t_small, 0,
+                              [self.tokens, self.w_embed, kh, H, self.x], st, "embed")
+        self.layers = []
+        for l in range(L):
+            wq = self.w_qkv[l * self.dqkv * kh:(l + 1) * self.dqkv * kh]
+            wo = self.w_o[l * H * kq:(l + 1) * H * kq]
+            wgu = self.w_gu[l * 2 * I * kh:(l + 1) * 2 * I * kh]
+            wd = self.w_down[l * H * ki:(l + 1) * H * ki]
+            na = self.n_attn[l * H:(l + 1) * H]
+            nm = self.n_mlp[l * H:(l + 1) * H]
+            bias = self.b_qkv[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv
+            kvo = l * self.kv_layer_elems
+            layer = {
+                "qkv": (Launch(k["k_gemv"], tg, kh * 4,
+                               [self.x, H, dummy_map, 0, na, eps, 1, wq, kh // 8, H, self.dqkv, bias,
+                                int(cfg.qkv_bias), self.qkv, self.dqkv, 0], st, f"qkv[{l}]"),
+                        self._gemv_grid(self.dqkv)),
+                "rope": Launch(k["k_rope_kv"], self.t_rope, 0,
+                               [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
+                                nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
+                                l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]"),
+                "attn": Launch(k["k_attn"], self.t_attn, (hd + self.t_attn) * 4,
+                               [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
+                                nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, cfg.q_size],
+                               st, f"attn[{l}]"),
+                "o": (Launch(k["k_gemv"], tg, kq * 4,
+                             [self.att, cfg.q_size, dummy_map, 0, na, eps, 0, wo, kq // 8, cfg.q_size, H,
+                              self.b_qkv, 0, self.x, H, 1], st, f"o_proj[{l}]"),
+                      self._gemv_grid(H)),
+                "gate_up": (Launch(k["k_gemv"], tg, kh * 4,
+                                   [self.x, H, dummy_map, 0, nm, eps, 1, wgu, kh // 8, H, 2 * I,
+                                    self.b_qkv, 0, self.act, I, 2], st, f"gate_up[{l}]"),
+                            self._gemv_grid(2 * I)),
+                "down": (Launch(k["k_gemv"], tg, ki * 4,
+                                [self.act, I, dummy_map, 0, nm, eps, 0, wd, ki // 8, I, H,
+                                 self.b_qkv, 0, self.x, H, 1], st, f"down[{l}]"),
+                         self._gemv_grid(H)),
+            }
+            self.layers.append(layer)
+        self.l_final = Launch(k["k_final_norm"], self.t_small, 0,
+                              [self.x, H, self.logit_rows, self.n_final, eps, self.hidden], st, "final_norm")
+        self.l_dense = (Launch(k["k_gemv"], tg, kh * 4,
+                               [self.hidden, H, dummy_map, 0, self.n_final, eps, 0, self.w_head, kh // 8, H,
+                                V, self.b_qkv, 0, self.logits, V, 0], st, "dense_head"),
+                        self._gemv_grid(V))
+        nwc = self.t_gemv // WARP
+        self.l_sparse = (Launch(k["k_sparse"], tg, kh * 4,
+                                [self.hidden, H, self.w_head, kh // 8, V, self.cand, self.ncand,
+                                 self.max_candidates, self.sparse], st, "sparse_head"),
+                         max(1, -(-self.max_candidates // (2 * nwc))))
+
+    # ------------------------------------------------------------------------- device-level entries
+    def launches_per_step(self) -> int:
+        return 2 + 6 * self.cfg.num_layers
+
+    def stage(self, batch: StepBatch) -> None:
+        """Copy a validated batch's inputs into the device input buffers (asynchronous)."""
+        R, N = batch.num_rows, len(batch.logit_rows)
+        S, mb = batch.block_tables.shape
+        if R > self.max_rows or N > self.max_logit_rows or S * mb > self.max_table:
+            raise ModelError(f"cuda backend: step of {R} rows / {N} logit rows / block table {S}x{mb} "
+                             f"exceeds the buffers ({self.max_rows} rows, {self.max_logit_rows} logit "
+                             f"rows, {self.max_table} table entries)")
+        i = self._ring_i = (self._ring_i + 1) % 2
+        event_wait_host(self._ring_ev[i])  # the copy that last used this staging buffer has run
+        h = self._ring[i]
+        h[:R] = batch.tokens
+        h[self._o_slots:self._o_slots + R] = batch.slots
+        h[self._o_pos:self._o_pos + R] = batch.positions
+        h[self._o_lrows:self._o_lrows + N] = batch.logit_rows
+        h[self._o_tab:self._o_tab + S * mb] = batch.block_tables.reshape(-1)
+        self.stream.h2d(self.ints, h, self._o_tab + S * mb)
+        self.stream.record(self._ring_ev[i])
+        self.table_stride.value = mb
+
+    def set_table_stride(self, mb: int) -> None:
+        """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
+        self.table_stride.value = int(mb)
+
+    def launch_forward(self, R: int, N: int) -> None:
+        """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers)."""
+        self.l_embed.launch(R)
+        for layer in self.layers:
+            lq, gq = layer["qkv"]
+            lq.launch(gq, R)
+            layer["rope"].launch(R, self.cfg.num_heads + self.cfg.num_kv_heads)
+            layer["attn"].launch(R, self.cfg.num_heads)
+            lo, go = layer["o"]
+            lo.launch(go, R)
+            lg, gg = layer["gate_up"]
+            lg.launch(gg, R)
+            ld, gd = layer["down"]
+            ld.launch(gd, R)
+        if N:
+            self.l_final.launch(N)
+
+    def launch_dense(self, N: int) -> None:
+        ld, gd = self.l_dense
+        if N:
+            ld.launch(gd, N)
+
+    def stage_candidates(self, cand: np.ndarray, n: np.ndarray) -> None:
+        """cand int32 [N, C <= max_candidates], n int32 [N] into `cand` (row stride max_candidates)."""
+        N, C = cand.shape
+        Cm = self.max_candidates
+        h = self._cand_host
+        h[: N * Cm].reshape(N, Cm)[:, :C] = cand
+        h[N * Cm:N * Cm + N] = n
+        # cand and ncand live in one buffer: copy the rows used, then the counts
+        self.stream.h2d(self.cand, h, N * Cm)
+        self.stream.h2d(self.ncand, h[N * Cm:], N)
+
+    def launch_sparse(self, N: int) -> None:
+        ls, gs = self.l_sparse
+        if N:
+            ls.launch(gs, N)
+
+    def capture(self, fn) -> Graph:
+        """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream."""
+        return Graph(self.stream, fn)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    # ------------------------------------------------------------------------------ host interface
+    def forward(self, batch: StepBatch) -> None:
+        batch.validate(self.spec.block_size, self.spec.num_blocks, self.cfg.vocab_size)
+        self.stage(batch)
+        self._R, self._N = batch.num_rows, len(batch.logit_rows)
+        self.launch_forward(self._R, self._N)
+
+    def dense_logits(self) -> np.ndarray:
+        N, V = self._N, self.cfg.vocab_size
+        self.launch_dense(N)
+        self.stream.d2h(self._out_host, self.logits, N * V)
+        self.stream.synchronize()
+        return self._out_host[: N * V].reshape(N, V).copy()
+
+    def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
+        cand = np.ascontiguousarray(cand, np.int32)
+        n = np.ascontiguousarray(n, np.int32)
+        N, C = cand.shape
+        if N != self._N or n.shape != (N,):
+            raise ModelError(f"sparse_logits: cand must be [{self._N}, C] and n [{self._N}], "
+                             f"got {cand.shape} and {n.shape}")
+        Cm = self.max_candidates
+        out = np.empty((N, C), np.float32)
+        for c0 in range(0, max(C, 1), Cm):  # tiles of max_candidates columns: never drops any
+            c1 = min(C, c0 + Cm)
+            self.stage_candidates(cand[:, c0:c1], np.clip(n - c0, 0, c1 - c0).astype(np.int32))
+            self.launch_sparse(N)
+            self.stream.d2h(self._out_host, self.sparse, N * Cm)
+            self.stream.synchronize()
+            out[:, c0:c1] = self._out_host[: N * Cm].reshape(N, Cm)[:, : c1 - c0]
+        return out
+
+    def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
+        """The pool as host arrays [L, num_blocks, block_size, n_kv, head_dim] (synchronous copy)."""
+        self.stream.synchronize()
+        shape = (self.cfg.num_layers, self.spec.num_blocks, self.spec.block_size,
+                 self.cfg.num_kv_heads, self.cfg.head_dim)
+        return self.kv_k.copy_to_host().reshape(shape), self.kv_v.copy_to_host().reshape(shape)

@@ -1,0 +1,269 @@
+"""The engine owns the launches: compiled kernels' CUfunction handles, prepacked parameter buffers,
+raw ``cuLaunchKernel``, stream-ordered copies, and CUDA graph capture and replay.
+
+numba is only the compiler here. Its dispatcher converts every argument on every call (GPU_NOTES:
+5 µs per array argument), which costs more than most of these kernels run; a ``Launch`` packs the
+parameters once, in numba's kernel ABI (a 1-D array is 7 words: meminfo, parent, nitems, itemsize,
+data, shape, stride), and a launch is then one ``cuLaunchKernel`` on the packed buffer. Scalars that
+change between steps are ``Scalar`` objects shared by every launch that reads them: one write updates
+all of them. Inside a captured graph the values are those at capture time.
+
+Under numba's CUDA simulator there is no driver: ``Launch`` falls back to the dispatcher (simulator
+only), copies are numpy copies, and a ``Graph`` re-runs the captured Python function on replay.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+
+from . import compat  # noqa: F401
+from .kernels import KERNELS, SIM, signatures
+
+from numba import cuda  # noqa: E402
+
+if not SIM:
+    from cuda.bindings import driver as drv
+
+    _OK = drv.CUresult.CUDA_SUCCESS
+else:  # pragma: no cover - names only used on a real device
+    drv = None
+    _OK = None
+
+
+class CudaError(RuntimeError):
+    """A CUDA driver call failed; the message names the call and the driver's error."""
+
+
+def check(res, what: str = "CUDA call"):
+    """Unwrap a cuda.bindings result tuple (err, *values), raising CudaError on failure."""
+    err = res[0]
+    if err != _OK:
+        name = drv.cuGetErrorName(err)[1]
+        raise CudaError(f"{what} failed: {name.decode() if isinstance(name, bytes) else name}")
+    if len(res) == 1:
+        return None
+    return res[1] if len(res) == 2 else res[1:]
+
+
+def dptr(arr) -> int:
+    """Device address of a numba device array (or view)."""
+    return int(arr.__cuda_array_interface__["data"][0])
+
+
+class Scalar:
+    """A scalar kernel parameter shared by launches (e.g. the block-table stride of this step)."""
+
+    __slots__ = ("c",)
+
+    def __init__(self, ctype, value=0):
+        self.c = ctype(value)
+
+    @property
+    def value(self):
+        return self.c.value
+
+    @value.setter
+    def value(self, v):
+        self.c.value = v
+
+
+_CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64, "float32": ctypes.c_float,
+           "float64": ctypes.c_double, "uint32": ctypes.c_uint32}
+
+
+class Kernel:
+    """One kernel compiled for one storage dtype: its argument types and its CUfunction.
+
+    ``dispatcher.compile`` goes through numba's on-disk cache (``cache=True``), so a restarted
+    process loads the cubin instead of recompiling; ``cache_hit`` says which happened.
+    """
+
+    def __init__(self, name: str, storage: str):
+        self.name = name
+        self.dispatcher = KERNELS[name]
+        self.argtypes = signatures(storage)[name]
+        self.func = None
+        self.attrs = None
+        self.cache_hit = None
+        self._max_dyn_shared = 48 * 1024
+        if SIM:
+            return
+        hits_before = sum(self.dispatcher._cache_hits.values())
+        compiled = self.dispatcher.compile(self.argtypes)
+        self.cache_hit = sum(self.dispatcher._cache_hits.values()) > hits_before
+        cufunc = compiled._codelibrary.get_cufunc()
+        self.attrs = cufunc.attrs
+        handle = cufunc.handle
+        if isinstance(handle, drv.CUfunction):
+            self.func = handle
+        else:  # a CUkernel (library API): its function in the current context
+            self.func = check(drv.cuKernelGetFunction(handle), f"cuKernelGetFunction({name})")
+
+    def allow_dynamic_shared(self, nbytes: int) -> None:
+        """Dynamic shared memory above 48 KiB must be opted into per function."""
+        if SIM or nbytes <= self._max_dyn_shared:
+            return
+        attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(drv.cuFuncSetAttribute(self.func, attr, nbytes), f"cuFuncSetAttribute({self.name})")
+        self._max_dyn_shared = nbytes
+
+
+class Launch:
+    """One kernel with its arguments packed once; ``launch(gx, gy)`` enqueues it on the stream."""
+
+    __slots__ = ("kernel", "block", "shmem", "args", "stream", "_vals", "_ptrs", "_addr", "name")
+
+    def __init__(self, kernel: Kernel, block: int, shmem: int, args: list, stream, name: str = ""):
+        if len(args) != len(kernel.argtypes):
+            raise TypeError(f"{kernel.name}: {len(args)} arguments for {len(kernel.argtypes)} parameters")
+        self.kernel, self.block, self.shmem, self.args = kernel, int(block), int(shmem), list(args)
+        self.stream = stream
+        self.name = name or kernel.name
+        kernel.allow_dynamic_shared(self.shmem)
+        vals = []
+        for i, (ty, a) in enumerate(zip(kernel.argtypes, args)):
+            where = f"{kernel.name} argument {i}"
+            if hasattr(ty, "ndim"):  # a 1-D C-contiguous array
+                want = np.dtype(str(ty.dtype))
+                if a.dtype != want or a.ndim != 1:
+                    raise TypeError(f"{where}: want 1-D {want}, got {a.ndim}-D {a.dtype}")
+                if not SIM:
+                    n, isz = int(a.size), int(a.dtype.itemsize)
+                    vals += [ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_int64(n),
+                             ctypes.c_int64(isz), ctypes.c_void_p(dptr(a)), ctypes.c_int64(n),
+                             ctypes.c_int64(isz)]
+            else:
+                ct = _CTYPES[str(ty)]
+                if isinstance(a, Scalar):
+                    if not isinstance(a.c, ct):
+                        raise TypeError(f"{where}: shared scalar is {type(a.c).__name__}, want {ct.__name__}")
+                    vals.append(a.c)
+                else:
+                    vals.append(ct(a))
+        if SIM:
+            self._vals = self._ptrs = self._addr = None
+            return
+        self._vals = vals
+        self._ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
+        self._addr = ctypes.addressof(self._ptrs)
+
+    def launch(self, gx: int, gy: int = 1) -> None:
+        if SIM:
+            args = [a.value if isinstance(a, Scalar) else a for a in self.args]
+            self.kernel.dispatcher[(gx, gy), self.block, 0, self.shmem](*args)
+            return
+        err, = drv.cuLaunchKernel(self.kernel.func, gx, gy, 1, self.block, 1, 1, self.shmem,
+                                  self.stream, self._addr, 0)
+        if err != _OK:
+            check((err,), f"cuLaunchKernel({self.name}, grid=({gx},{gy}), block={self.block})")
+
+
+class Stream:
+    """The backend's stream, plus stream-ordered copies (pinned host memory on a real device)."""
+
+    def __init__(self):
+        if SIM:
+            self.numba = None
+            self.handle = None
+            return
+        cuda.current_context()
+        self.numba = cuda.stream()
+        self.handle = drv.CUstream(int(self.numba.handle))
+
+    def h2d(self, dst, src: np.ndarray, count: int) -> None:
+        """dst[:count] = src[:count] (src pinned: the copy is asynchronous and capturable)."""
+        if count <= 0:
+            return
+        if SIM:
+            dst[:count].copy_to_device(np.ascontiguousarray(src[:count]))
+            return
+        check(drv.cuMemcpyHtoDAsync(dptr(dst), src.ctypes.data, count * src.itemsize, self.handle),
+              "cuMemcpyHtoDAsync")
+
+    def d2h(self, dst: np.ndarray, src, count: int) -> None:
+        if count <= 0:
+            return
+        if SIM:
+            dst[:count] = src[:count].copy_to_host()
+            return
+        check(drv.cuMemcpyDtoHAsync(dst.ctypes.data, dptr(src), count * dst.itemsize, self.handle),
+              "cuMemcpyDtoHAsync")
+
+    def memset0(self, dst) -> None:
+        if SIM:
+            dst.copy_to_device(np.zeros(dst.shape, dst.dtype))
+            return
+        check(drv.cuMemsetD8Async(dptr(dst), 0, dst.size * dst.dtype.itemsize, self.handle),
+              "cuMemsetD8Async")
+
+    def synchronize(self) -> None:
+        if not SIM:
+            check(drv.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+
+    def record(self, event) -> None:
+        if not SIM:
+            check(drv.cuEventRecord(event, self.handle), "cuEventRecord")
+
+
+def new_event(timing: bool = False):
+    if SIM:
+        return None
+    flags = 0 if timing else drv.CUevent_flags.CU_EVENT_DISABLE_TIMING
+    return check(drv.cuEventCreate(flags), "cuEventCreate")
+
+
+def event_wait_host(event) -> None:
+    if not SIM and event is not None:
+        check(drv.cuEventSynchronize(event), "cuEventSynchronize")
+
+
+def event_ms(start, end) -> float:
+    return float(check(drv.cuEventElapsedTime(start, end), "cuEventElapsedTime"))
+
+
+class Graph:
+    """A captured sequence of launches on `stream`, replayed with one cuGraphLaunch.
+
+    ``fn`` must only enqueue work on the stream (no allocation, no host synchronisation, no
+    pageable copies): everything it launches is recorded, nothing runs during capture. Every kernel
+    must already be compiled and loaded (the backend does that at construction).
+    """
+
+    def __init__(self, stream: Stream, fn):
+        self.stream = stream
+        self.fn = fn
+        self.num_nodes = 0
+        self._exec = self._graph = None
+        if SIM:
+            return
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        with cuda.defer_cleanup():
+            check(drv.cuStreamBeginCapture(stream.handle, mode), "cuStreamBeginCapture")
+            try:
+                fn()
+            except BaseException:
+                drv.cuStreamEndCapture(stream.handle)
+                raise
+            self._graph = check(drv.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+        self._exec = check(drv.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
+        _, self.num_nodes = check(drv.cuGraphGetNodes(self._graph, 0), "cuGraphGetNodes")
+
+    def replay(self) -> None:
+        if SIM:
+            self.fn()
+            return
+        err, = drv.cuGraphLaunch(self._exec, self.stream.handle)
+        if err != _OK:
+            check((err,), "cuGraphLaunch")
+
+    def __del__(self):
+        if SIM or drv is None:
+            return
+        try:
+            if self._exec is not None:
+                drv.cuGraphExecDestroy(self._exec)
+            if self._graph is not None:
+                drv.cuGraphDestroy(self._graph)
+        except Exception:  # interpreter shutdown
+            pass

@@ -1,0 +1,68 @@
+"""Make numba's CUDA simulator fast enough to run the model's kernels in tests (simulator only).
+
+The simulator runs each CUDA thread as a Python thread and implements ``syncthreads`` by a manager
+that busy-polls every thread of the block while holding the GIL, so a block of 8 threads takes
+~50 ms. ``install()`` replaces that with a ``threading.Barrier`` per block (the same semantics for
+kernels where every thread of a block reaches every barrier, which all of ours do) and shortens
+the GIL switch interval. It changes no kernel and no result; it only refuses to run on a real GPU.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+_installed = False
+_BARRIER_TIMEOUT_S = 120.0
+
+
+def install() -> bool:
+    """Patch the simulator's block manager (idempotent). Returns False where not simulating."""
+    global _installed
+    import numba
+    if not getattr(numba.config, "ENABLE_CUDASIM", 0):
+        return False
+    if _installed:
+        return True
+    from numba.cuda.simulator import kernel as simk
+
+    def syncthreads(self):
+        try:
+            self._manager._tt_barrier.wait(_BARRIER_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("syncthreads: another thread of the block failed or never arrived")
+
+    orig_thread_run = simk.BlockThread.run
+
+    def thread_run(self):
+        orig_thread_run(self)
+        if self.exception is not None:
+            self._manager._tt_barrier.abort()
+
+    def manager_run(self, grid_point, *args):
+        nthreads = int(np.prod(self._block_dim))
+        self._tt_barrier = threading.Barrier(nthreads)
+
+        def target():
+            self._f(*args)
+
+        threads = [simk.BlockThread(target, self, grid_point, bp, self._debug)
+                   for bp in np.ndindex(*self._block_dim)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for t in threads:  # the first real failure, not the barrier aborts it caused
+            if t.exception is not None and "syncthreads:" not in str(t.exception[0]):
+                raise t.exception[0].with_traceback(t.exception[1])
+        for t in threads:
+            if t.exception is not None:
+                raise t.exception[0].with_traceback(t.exception[1])
+
+    simk.BlockThread.syncthreads = syncthreads
+    simk.BlockThread.run = thread_run
+    simk.BlockManager.run = manager_run
+    sys.setswitchinterval(5e-5)
+    _installed = True
+    return True
