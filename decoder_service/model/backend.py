@@ -1,0 +1,58 @@
+"""Choosing a backend: cuda where a real GPU is usable, cpu otherwise; either can be forced."""
+from __future__ import annotations
+
+from .config import ModelConfig, ModelError
+from .kv_pool import KVPoolSpec
+from .weights import Weights
+
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+def cuda_unusable_reason() -> str | None:
+    """Why the cuda backend cannot run here, or None when it can. numba's CUDA simulator reports a
+    GPU that is not there, so it counts as none: it is for testing kernels, not for serving."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        return "numba's CUDA simulator is enabled (NUMBA_ENABLE_CUDASIM=1), there is no real GPU"
+    try:
+        from numba import cuda
+
+        if not cuda.is_available():
+            return "no usable CUDA GPU or driver was found (numba.cuda.is_available() is False)"
+    except Exception as e:  # a broken CUDA install is still "no GPU" for auto, and explained for cuda
+        return f"numba.cuda failed to initialise: {e}"
+    return None
+
+
+def resolve_backend(name: str = "auto") -> str:
+    """"cpu" or "cuda" for a requested "auto" | "cpu" | "cuda"; forcing cuda without a GPU is an error."""
+    if name not in BACKENDS:
+        raise ModelError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
+    if name == "cpu":
+        return "cpu"
+    reason = cuda_unusable_reason()
+    if reason is None:
+        return "cuda"
+    if name == "cuda":
+        raise ModelError(f"backend 'cuda' was requested but {reason}")
+    return "cpu"
+
+
+def weights_dtype(backend: str, cfg: ModelConfig) -> str:
+    """The storage dtype each backend wants its weights in: float32 on the CPU (numpy and numba have no
+    fast half types there); on the GPU the checkpoint's half type, bfloat16 only if it was bf16."""
+    if backend == "cpu":
+        return "float32"
+    return "bfloat16" if cfg.torch_dtype == "bfloat16" else "float16"
+
+
+def make_backend(cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, backend: str = "auto"):
+    """A backend implementing docs/model_runtime_interface.md for these weights and KV pool."""
+    if resolve_backend(backend) == "cpu":
+        from .cpu import CpuBackend
+
+        return CpuBackend(cfg, weights, kv_spec)
+    from .cuda.backend import CudaBackend
+
+    return CudaBackend(cfg, weights, kv_spec)

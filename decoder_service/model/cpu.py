@@ -1,0 +1,249 @@
+"""The CPU backend: the forward step in float32 with numba njit kernels.
+
+Determinism by construction, as on the GPU: every output element of a matrix product is computed by
+the same compiled loop (a fixed 4x4 register tile, K reduced in one fixed order), and attention reduces
+each row's positions in ascending order, so a row's result never depends on which rows share its batch.
+This is why the matrix products are not numpy BLAS: OpenBLAS takes a different code path by matrix size
+(gemv for one row, a "small matrix" kernel below about 1e6 multiply-adds, the blocked kernel above),
+and the paths round differently, so a token's logits would change with the batch it happened to be in.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .batch import StepBatch
+from .config import ModelConfig
+from .kv_pool import HostKVPool, KVPoolSpec
+from .weights import Weights, to_float32
+
+_ROW_BLOCK = 64  # rows of x per work item: with _COL_BLOCK weight rows, both stay in L2
+_COL_BLOCK = 64
+
+
+@njit(fastmath=True, inline="always")
+def _dot4x4(a, a0, a1, a2, a3, b, b0, b1, b2, b3):
+    """The 16 dot products of rows a0..a3 of `a` with rows b0..b3 of `b`, as a flat tuple (a-major).
+
+    The one reduction of this backend: every matrix product and every attention score goes through
+    it, and each of the 16 sums runs the same instructions in the same order whatever the other
+    rows are, so a result never depends on its neighbours in the tile. (Rows are passed as indices:
+    slicing out row views would cost a reference count per view.)
+    """
+    s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = np.float32(0)
+    s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = np.float32(0)
+    for k in range(a.shape[1]):
+        x0, x1, x2, x3 = a[a0, k], a[a1, k], a[a2, k], a[a3, k]
+        y0, y1, y2, y3 = b[b0, k], b[b1, k], b[b2, k], b[b3, k]
+        s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3  # noqa: E702
+        s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3  # noqa: E702
+        s20 += x2 * y0; s21 += x2 * y1; s22 += x2 * y2; s23 += x2 * y3  # noqa: E702
+        s30 += x3 * y0; s31 += x3 * y1; s32 += x3 * y2; s33 += x3 * y3  # noqa: E702
+    return (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def matmul_t(x, w, out):
+    """out[M, N] = x[M, K] @ w[N, K].T in float32: 4x4 tiles, in blocks that stay in L2.
+    Tiles at the edges repeat the last row or column, so they run the same code as the others."""
+    M, N = x.shape[0], w.shape[0]
+    row_blocks = (M + _ROW_BLOCK - 1) // _ROW_BLOCK
+    col_blocks = (N + _COL_BLOCK - 1) // _COL_BLOCK
+    for b in prange(row_blocks * col_blocks):
+        rb, cb = b % row_blocks, b // row_blocks
+        for c0 in range(cb * _COL_BLOCK, min(cb * _COL_BLOCK + _COL_BLOCK, N), 4):
+            c = (c0, min(c0 + 1, N - 1), min(c0 + 2, N - 1), min(c0 + 3, N - 1))
+            for r0 in range(rb * _ROW_BLOCK, min(rb * _ROW_BLOCK + _ROW_BLOCK, M), 4):
+                r = (r0, min(r0 + 1, M - 1), min(r0 + 2, M - 1), min(r0 + 3, M - 1))
+                s = _dot4x4(x, r[0], r[1], r[2], r[3], w, c[0], c[1], c[2], c[3])
+                for i in range(4):
+                    for j in range(4):
+                        out[r[i], c[j]] = s[4 * i + j]
+
+
+@njit(fastmath=True, cache=True)
+def rms_norm(x, weight, eps, out):
+    """out = x / sqrt(mean(x^2) + eps) * weight over the last axis (rows of x are any leading axes)."""
+    xs, os = x.reshape(-1, x.shape[-1]), out.reshape(-1, x.shape[-1])
+    for r in range(xs.shape[0]):
+        ss = np.float32(0)
+        for i in range(xs.shape[1]):
+            ss += xs[r, i] * xs[r, i]
+        scale = np.float32(1) / np.sqrt(ss / np.float32(xs.shape[1]) + np.float32(eps))
+        for i in range(xs.shape[1]):
+            os[r, i] = xs[r, i] * scale * weight[i]
+
+
+@njit(fastmath=True, cache=True)
+def rope(x, positions, inv_freq):
+    """Rotate x [R, heads, d] in place by position; HF rotate_half pairs (i, i + d/2).
+    Angles are taken in float64 so long positions keep their precision."""
+    half = x.shape[2] // 2
+    for r in range(x.shape[0]):
+        for i in range(half):
+            angle = positions[r] * inv_freq[i]
+            c, s = np.float32(np.cos(angle)), np.float32(np.sin(angle))
+            for h in range(x.shape[1]):
+                x1, x2 = x[r, h, i], x[r, h, i + half]
+                x[r, h, i] = x1 * c - x2 * s
+                x[r, h, i + half] = x2 * c + x1 * s
+
+
+@njit(cache=True)
+def write_kv(k_cache, v_cache, k, v, slots, positions, block_tables):
+    """Store each row's k, v [R, n_kv, d] at its position's block and offset in the pool."""
+    bs = k_cache.shape[1]
+    for r in range(k.shape[0]):
+        block = block_tables[slots[r], positions[r] // bs]
+        k_cache[block, positions[r] % bs] = k[r]
+        v_cache[block, positions[r] % bs] = v[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def paged_attention(q, k_cache, v_cache, slots, positions, block_tables, runs, out):
+    """Causal GQA attention over the paged pool.
+
+    q [R, nh, d]; caches [num_blocks, block_size, n_kv, d]; out [R, nh, d]. `runs` splits the rows
+    into runs of consecutive rows of one sequence (runs[i]..runs[i+1]); one work item is a run and a
+    KV head, whose query vectors (rows x the heads of the group) share every key and value they load.
+    Each query vector's scores, softmax and weighted sum visit positions 0..its own position in
+    ascending order, the same way alone or in any run.
+    """
+    R, nh, d = q.shape
+    bs, nkv = k_cache.shape[1], k_cache.shape[2]
+    group = nh // nkv
+    scale = np.float32(1.0 / np.sqrt(d))
+    q2 = q.reshape(R * nh, d)                    # row (r * nh + head)
+    k2 = k_cache.reshape(-1, d)                  # row ((block * bs + offset) * nkv + kv_head)
+    v2 = v_cache.reshape(-1, d)
+    for item in prange((len(runs) - 1) * nkv):
+        run, g = item // nkv, item % nkv
+        first, nq = runs[run], (runs[run + 1] - runs[run]) * group
+        table = block_tables[slots[first]]
+        span = positions[first:runs[run + 1]].max() + 1
+        kv_row = np.empty(span, np.int64)  # row of k2 / v2 holding position t of this head
+        for t in range(span):
+            kv_row[t] = (table[t // bs] * bs + t % bs) * nkv + g
+        last = np.empty(nq, np.int64)   # query vector i is head g * group + i % group of row first + i // group:
+        q_row = np.empty(nq, np.int64)  # its position, and its row in q2
+        for i in range(nq):
+            last[i] = positions[first + i // group]
+            q_row[i] = (first + i // group) * nh + g * group + i % group
+        scores = np.empty((nq, span), np.float32)
+        for i0 in range(0, nq, 4):
+            i = (i0, min(i0 + 1, nq - 1), min(i0 + 2, nq - 1), min(i0 + 3, nq - 1))
+            for t0 in range(0, span, 4):
+                t = (t0, min(t0 + 1, span - 1), min(t0 + 2, span - 1), min(t0 + 3, span - 1))
+                s = _dot4x4(q2, q_row[i[0]], q_row[i[1]], q_row[i[2]], q_row[i[3]],
+                            k2, kv_row[t[0]], kv_row[t[1]], kv_row[t[2]], kv_row[t[3]])
+                for a in range(4):
+                    for b in range(4):
+                        scores[i[a], t[b]] = s[4 * a + b] * scale
+        total = np.empty(nq, np.float32)
+        for i in range(nq):
+            m = scores[i, : last[i] + 1].max()
+            total[i] = 0
+            for t in range(last[i] + 1):
+                scores[i, t] = np.exp(scores[i, t] - m)
+                total[i] += scores[i, t]
+        acc = np.zeros((nq, d), np.float32)
+        for t in range(span):
+            for i in range(nq):
+                if t <= last[i]:
+                    p = scores[i, t]
+                    for e in range(d):
+                        acc[i, e] += p * v2[kv_row[t], e]
+        for i in range(nq):
+            for e in range(d):
+                out[first + i // group, g * group + i % group, e] = acc[i, e] / total[i]
+
+
+def sequence_runs(slots: np.ndarray, max_rows: int = 32) -> np.ndarray:
+    """Boundaries of runs of consecutive rows with the same slot, at most `max_rows` long."""
+    change = np.flatnonzero(slots[1:] != slots[:-1]) + 1
+    bounds = np.concatenate([[0], change, [len(slots)]])
+    starts = [s for a, b in zip(bounds[:-1], bounds[1:]) for s in range(a, b, max_rows)]
+    return np.array(starts + [len(slots)], np.int32)
+
+
+@njit(fastmath=True, cache=True)
+def swiglu(gate_up, out):
+    """out = silu(gate) * up, with gate_up [R, 2I] holding gate then up."""
+    inter = out.shape[1]
+    for r in range(out.shape[0]):
+        for i in range(inter):
+            g = gate_up[r, i]
+            out[r, i] = g / (np.float32(1) + np.exp(-g)) * gate_up[r, inter + i]
+
+
+class CpuBackend:
+    """The step interface of docs/model_runtime_interface.md on the CPU, in float32."""
+
+    name = "cpu"
+
+    def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec):
+        self.cfg = cfg
+        f32 = lambda a: None if a is None else np.ascontiguousarray(to_float32(a, weights.dtype))  # noqa: E731
+        self.w = {name: f32(a) for name, a in vars(weights).items() if name not in ("dtype", "source_dtype")}
+        if weights.lm_head is weights.embed:
+            self.w["lm_head"] = self.w["embed"]
+        self.pool = HostKVPool.allocate(cfg, kv_spec, np.float32)
+        d = cfg.head_dim
+        self.inv_freq = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+        self.hidden = None
+
+    def forward(self, batch: StepBatch) -> None:
+        cfg, w = self.cfg, self.w
+        batch.validate(self.pool.spec.block_size, self.pool.spec.num_blocks, cfg.vocab_size)
+        R, nh, nkv, d, eps = batch.num_rows, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        x = w["embed"][batch.tokens]                                   # [R, H] residual stream
+        h = np.empty_like(x)
+        qkv = np.empty((R, k_end + cfg.kv_size), np.float32)
+        attn = np.empty((R, nh, d), np.float32)
+        proj = np.empty_like(x)
+        gate_up = np.empty((R, 2 * cfg.intermediate_size), np.float32)
+        act = np.empty((R, cfg.intermediate_size), np.float32)
+        runs = sequence_runs(batch.slots)
+        for layer in range(cfg.num_layers):
+            rms_norm(x, w["attn_norm"][layer], eps, h)
+            matmul_t(h, w["wqkv"][layer], qkv)
+            if cfg.qkv_bias:
+                qkv += w["bqkv"][layer]
+            q = np.ascontiguousarray(qkv[:, :q_end]).reshape(R, nh, d)
+            k = np.ascontiguousarray(qkv[:, q_end:k_end]).reshape(R, nkv, d)
+            v = np.ascontiguousarray(qkv[:, k_end:]).reshape(R, nkv, d)
+            if cfg.qk_norm:
+                rms_norm(q, w["q_norm"][layer], eps, q)
+                rms_norm(k, w["k_norm"][layer], eps, k)
+            rope(q, batch.positions, self.inv_freq)
+            rope(k, batch.positions, self.inv_freq)
+            k_cache, v_cache = self.pool.k[layer], self.pool.v[layer]
+            write_kv(k_cache, v_cache, k, v, batch.slots, batch.positions, batch.block_tables)
+            paged_attention(q, k_cache, v_cache, batch.slots, batch.positions, batch.block_tables, runs, attn)
+            matmul_t(attn.reshape(R, nh * d), w["wo"][layer], proj)
+            x += proj
+            rms_norm(x, w["mlp_norm"][layer], eps, h)
+            matmul_t(h, w["w_gate_up"][layer], gate_up)
+            swiglu(gate_up, act)
+            matmul_t(act, w["w_down"][layer], proj)
+            x += proj
+        self.hidden = np.empty((len(batch.logit_rows), cfg.hidden_size), np.float32)
+        rms_norm(np.ascontiguousarray(x[batch.logit_rows]), w["final_norm"], eps, self.hidden)
+
+    def dense_logits(self) -> np.ndarray:
+        out = np.empty((len(self.hidden), self.cfg.vocab_size), np.float32)
+        matmul_t(self.hidden, self.w["lm_head"], out)
+        return out
+
+    def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
+        """Logits of each row's first n[i] candidates only. The same matmul kernel on the gathered head
+        rows, so every value is bit-identical to the dense logit at that id."""
+        out = np.zeros(cand.shape, np.float32)
+        for i in range(len(cand)):
+            if n[i] > 0:
+                rows = self.w["lm_head"][cand[i, : n[i]]]
+                row_logits = np.empty((1, n[i]), np.float32)
+                matmul_t(self.hidden[i: i + 1], rows, row_logits)
+                out[i, : n[i]] = row_logits[0]
+        return out
