@@ -1,8 +1,10 @@
-"""`make run`: the whole stack on loopback, the demo catalog published, until Ctrl-C.
+"""`make run`: the whole stack on loopback, the demo catalog published and queried, until Ctrl-C.
 
-Starts redis-server (unless REDIS_URL is set) with its data under var/, then the compiler service,
-publishes the demo catalog (MetaTool's 199 tools) as `metatool`, prints what was stored, and keeps
-serving. Ctrl-C stops everything it started.
+Starts redis-server (unless REDIS_URL is set) with its data under var/, the compiler service,
+publishes the demo catalog (MetaTool's 199 tools) as `metatool`, starts the decoder (GPU if there is
+one, else the CPU backend), waits while it warms the catalog prefix, sends three example intents and
+prints the streamed tool names with scores and timings, then keeps serving. Ctrl-C stops everything
+it started.
 """
 from __future__ import annotations
 
@@ -21,19 +23,30 @@ from shared.config import REPO_ROOT, Settings
 from shared.redis_server import LocalRedis
 
 DEMO_CATALOG = Path(__file__).resolve().parent / "demo" / "metatool_catalog.json"
+DEMO_INTENTS = [("What's the weather going to be like in Paris this weekend?", 2),
+                ("Find me a cheap flight from Berlin to Lisbon next month", 2),
+                ("Summarise this PDF for me", 1)]
 
 
-def wait_serving(addr: str, timeout: float) -> None:
-    """Block until the gRPC health service at addr reports SERVING."""
+def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = "") -> None:
+    """Block until the gRPC health service at addr reports SERVING (showing elapsed time if `what`);
+    fail at once if the service's process exits."""
     channel = grpc.insecure_channel(addr)
     stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout
+    started = time.monotonic()
+    deadline = started + timeout
     while True:
+        if what:
+            print(f"\r{what} ... {time.monotonic() - started:4.0f} s", end="", flush=True)
         try:
             if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+                if what:
+                    print(f"\r{what}: done in {time.monotonic() - started:.0f} s")
                 return
         except grpc.RpcError:
             pass
+        if proc.poll() is not None:
+            raise RuntimeError(f"{addr}: the service exited with {proc.returncode} (see var/log/)")
         if time.monotonic() > deadline:
             raise RuntimeError(f"{addr} did not become healthy within {timeout:.0f} s")
         time.sleep(0.2)
@@ -66,15 +79,22 @@ def main() -> int:
             "TOOLTRIE_METRICS_PORT", "0")}
         compiler = start_service("compiler_service.server", env, REPO_ROOT / "var" / "log" / "compiler.log")
         stack.callback(stop, compiler)
-        wait_serving(settings.compiler_addr, 60)
+        wait_serving(settings.compiler_addr, 60, compiler)
         print(f"compiler   {settings.compiler_addr} (log in var/log/compiler.log)")
         cli.main(["--compiler", settings.compiler_addr, "publish", str(DEMO_CATALOG), "--name", "metatool"])
-        cli.main(["--compiler", settings.compiler_addr, "versions", "metatool"])
-        print("serving; try: .venv/bin/tooltrie catalogs   (Ctrl-C stops everything)")
+        decoder = start_service("decoder_service.server", env, REPO_ROOT / "var" / "log" / "decoder.log")
+        stack.callback(stop, decoder)
+        print(f"decoder    {settings.decoder_addr} (log in var/log/decoder.log)")
+        wait_serving(settings.decoder_addr, 900, decoder, "loading the model and warming the catalog prefix")
+        for intent, k in DEMO_INTENTS:
+            print(f"\n> {intent}  (k={k})")
+            cli.main(["--decoder", settings.decoder_addr, "discover", intent, "-k", str(k), "--catalog", "metatool"])
+        print(f"\nserving; try: .venv/bin/tooltrie discover \"book a hotel in Rome\" -k 2 --catalog metatool"
+              "\n(Ctrl-C stops everything)")
         try:
-            while compiler.poll() is None:
+            while compiler.poll() is None and decoder.poll() is None:
                 time.sleep(0.5)
-            print(f"the compiler exited with {compiler.returncode}: see var/log/compiler.log")
+            print("a service exited: see var/log/compiler.log and var/log/decoder.log")
             return 1
         except KeyboardInterrupt:
             print("\nstopping")

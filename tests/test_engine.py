@@ -174,3 +174,43 @@ def test_an_empty_mask_fails_loudly(engine, catalog, monkeypatch):
 def test_select_breaks_ties_on_the_lower_token_id():
     win, lp = sampler.select(np.array([1.0, 3.0, 3.0], np.float32), np.array([7, 9, 4], np.int32))
     assert win == 2 and lp == pytest.approx(np.log(np.exp(3) / (np.exp(1) + 2 * np.exp(3))))
+
+
+def straight_constrained_greedy(backend, prompt_ids, trie, k):
+    """The oracle: one sequence, the whole prompt in one chunk (no shared prefix, no batching), then
+    greedy decoding over the dense head masked to the trie's legal edges, walked by plain Python."""
+    from decoder_service.model.batch import StepBatch
+    from shared.trie import SEP, STOP
+    tables = np.arange(NUM_BLOCKS, dtype=np.int32)[None, :]
+    node, emitted, names, chunk, pos = 0, [], [], list(prompt_ids), 0
+    while True:
+        backend.forward(StepBatch.from_chunks([(0, chunk, pos)], tables))
+        pos += len(chunk)
+        logits = backend.dense_logits()[0]
+        lo, hi = trie.node_edge_start[node], trie.node_edge_start[node + 1]
+        legal = [e for e in range(lo, hi)
+                 if not (trie.edge_child[e] == SEP and len(emitted) + 1 >= k)
+                 and not (trie.edge_child[e] == STOP and len(emitted) + 1 != k)
+                 and set(range(trie.edge_lo[e], trie.edge_hi[e])) - set(emitted)]
+        best = max(legal, key=lambda e: (logits[trie.edge_token[e]], -trie.edge_token[e]))
+        child = trie.edge_child[best]
+        if child in (SEP, STOP):
+            emitted.append(int(trie.edge_lo[best]))
+            names.append(trie.pointer_names[emitted[-1]])
+            node = 0
+            if child == STOP:
+                return names
+        else:
+            node = child
+        chunk = [int(trie.edge_token[best])]
+
+
+def test_engine_equals_a_straight_constrained_greedy_decode(tmp_path, tok, engine, catalog):
+    """Shared prefix blocks, chunked prefill and batching change nothing: same names as the oracle."""
+    from engine_fixtures import tiny_backend
+    fresh = tiny_backend(tmp_path, tok.tokenizer.get_vocab_size(), NUM_BLOCKS)
+    assert len(catalog.prefix_ids) > engine.config.chunk_size  # the prefix takes several prefill chunks
+    for intent, k in [(INTENTS[0], 2), (INTENTS[5], 3), (INTENTS[7], 1)]:
+        seq = engine.submit(catalog, intent, k)
+        engine.run_until_idle()
+        assert answer(seq)[0] == straight_constrained_greedy(fresh, seq.prompt_ids, catalog.trie, k)
