@@ -38,7 +38,9 @@ class ReferenceModel:
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec):
         self.cfg = cfg
         self.w = {name: to_float32(a, weights.dtype).astype(np.float64)
-                  for name, a in vars(weights).items() if isinstance(a, np.ndarray)}
+                  for name, a in vars(weights).items() if isinstance(a, np.ndarray) and name != "lm_head"}
+        self.w["lm_head"] = self.w["embed"] if weights.lm_head is weights.embed else \
+            to_float32(weights.lm_head, weights.dtype).astype(np.float64)
         self.pool = HostKVPool.allocate(cfg, kv_spec, np.float64)
         self.hidden = None
 
