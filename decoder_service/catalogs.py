@@ -35,6 +35,7 @@ class CatalogManager:
         self.loaded: dict[tuple[str, int], CatalogRuntime] = {}
         self.latest: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # the newest announced default per catalog, in event order
+        self.refused: dict[str, str] = {}  # catalog -> why its wanted version is not served
         self.active: Counter = Counter()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
@@ -47,6 +48,8 @@ class CatalogManager:
         with self._lock:
             if not version:
                 if name not in self.latest:
+                    if name in self.refused:
+                        raise TokenizerMismatch(self.refused[name])
                     raise NotFound(f"no catalog named {name!r} is loaded")
                 version = self.latest[name]
             rt = self.loaded.get((name, version))
@@ -94,8 +97,10 @@ class CatalogManager:
             trie = Trie.from_blob(self.store.blob(name, version))
             try:
                 rt = self.engine.load_catalog(trie)
-            except TokenizerMismatch:
+            except TokenizerMismatch as e:
                 REFUSED.inc()
+                with self._lock:
+                    self.refused[name] = str(e)
                 raise
             if not rt.ready.wait(self.warm_timeout):
                 raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
@@ -131,6 +136,7 @@ class CatalogManager:
                 self._retire_if_unused((name, version))  # superseded while it was loading
                 return
             self.latest[name] = version
+            self.refused.pop(name, None)
             SWAPS.inc()
             log.info("default of %s is now v%d (was v%s)", name, version, old)
             if old is not None:

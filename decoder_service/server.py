@@ -14,7 +14,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from decoder_service.catalogs import CatalogManager
-from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError
+from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError, TokenizerMismatch
 from decoder_service.engine.sequence import DoneEvent, FailedEvent
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
@@ -31,6 +31,9 @@ FIRST_POINTER = Histogram("tooltrie_time_to_first_pointer_seconds", "From reques
 STEP_SECONDS = Histogram("tooltrie_decode_step_seconds", "One engine step (forward pass and sampler)")
 REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code", ["code"])
 
+# Engine and catalog exceptions -> status codes (the shared ones come from shared.serving.status_for).
+REFUSALS = [(RequestError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (TokenizerMismatch, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE)]
 FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
                 "cancelled": grpc.StatusCode.CANCELLED}
 
@@ -39,6 +42,13 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
     def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict):
         self.engine, self.catalogs, self.info = engine, catalogs, info
         self.draining = False
+
+    @staticmethod
+    def code_for(exc: Exception) -> grpc.StatusCode:
+        for kind, code in REFUSALS:
+            if isinstance(exc, kind):
+                return code
+        return status_for(exc) or grpc.StatusCode.INTERNAL
 
     def _abort(self, context, code: grpc.StatusCode, message: str):
         REQUESTS.labels(code.name).inc()
@@ -52,15 +62,13 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            self._abort(context, status_for(e) or grpc.StatusCode.INTERNAL, str(e))
+            self._abort(context, self.code_for(e), str(e))
         try:
             try:
                 seq = self.engine.submit(rt, request.intent, request.k, list(request.allow) or None,
                                          request.request_id or None, timeout=context.time_remaining())
-            except RequestError as e:
-                self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            except QueueFull as e:
-                self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(e))
+            except (RequestError, QueueFull) as e:
+                self._abort(context, self.code_for(e), str(e))
             context.add_callback(lambda: self.engine.cancel(seq))
             name, version = rt.key
             log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": seq.request_id})
@@ -91,14 +99,16 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
 
 def build_engine(settings: Settings):
     """Model, backend, KV pool and engine from the settings; returns (engine, info for GetInfo)."""
-    from decoder_service.model.backend import make_backend
+    from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
     from shared.tokenizer import ModelTokenizer
     cfg = ModelConfig.from_dir(settings.model_dir)
     kv_spec = KVPoolSpec.from_tokens(settings.kv_tokens)
-    backend = make_backend(cfg, load_weights(settings.model_dir, cfg), kv_spec, backend=settings.backend)
+    kind = resolve_backend(settings.backend)
+    weights = load_weights(settings.model_dir, cfg, weights_dtype(kind, cfg))
+    backend = make_backend(cfg, weights, kv_spec, backend=kind)
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
                           config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting))

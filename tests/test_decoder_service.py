@@ -3,6 +3,7 @@
 The model is tiny and random (the real one is exercised by the model tests); what is under test here
 is the service: streaming, version pinning, hot swap under load, error codes, and freed KV blocks.
 """
+import dataclasses
 import json
 import threading
 import time
@@ -176,3 +177,40 @@ def test_python_clients_and_cli(stack, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"1. {tools[0].name}") and "prefill" in out
     assert cli.main(["--decoder", addr, "discover", "x", "-k", "0", "--catalog", "demo"]) == 2
+
+
+def test_tokenizer_mismatch_is_failed_precondition(stack):
+    trie = tries(stack["tok"], TOOLS[:5])
+    trie.meta["tokenizer_hash"] = "f" * 64
+    info, _ = stack["store"].publish("foreign", trie)
+    deadline = time.monotonic() + 10
+    while True:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack["stub"].Discover(pb.DiscoverRequest(catalog="foreign", intent="x", k=1), timeout=10))
+        if err.value.code() != grpc.StatusCode.NOT_FOUND or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)  # the announcement is still being processed
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "compiled for tokenizer ffffffffffff" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Discover(pb.DiscoverRequest(catalog="foreign", version=info.version, intent="x", k=1)))
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_engine_fault_is_internal(stack, monkeypatch):
+    monkeypatch.setattr("decoder_service.engine.engine.legal_edges", lambda *a: 0)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INTERNAL and "empty mask" in err.value.details()
+
+
+def test_a_full_queue_is_resource_exhausted(stack):
+    engine = stack["engine"]
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, max_waiting=0)
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=30))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 0" in err.value.details()
+    finally:
+        engine.config = saved
