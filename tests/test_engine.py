@@ -214,3 +214,30 @@ def test_engine_equals_a_straight_constrained_greedy_decode(tmp_path, tok, engin
         seq = engine.submit(catalog, intent, k)
         engine.run_until_idle()
         assert answer(seq)[0] == straight_constrained_greedy(fresh, seq.prompt_ids, catalog.trie, k)
+
+
+@pytest.mark.parametrize("name", ["metatool", "bigcatalog", "toolbench"])
+def test_sparse_and_dense_heads_agree_on_every_shared_catalog(backend, tok, name):
+    """Every catalog of ../shared/data, whole (the root of Seal-Tools has hundreds of edges), under a
+    short prompt so the test is about the heads, not the prefill."""
+    import json as _json
+
+    from compiler_service.compiler import compile_catalog
+    from shared.catalog import parse_registry
+    from shared.prompt import PromptTemplate
+    from tokenizer_fixtures import catalog_path
+    template = PromptTemplate(prefix="<|im_start|>system\nPick tools.<|im_end|>\n<|im_start|>user\n",
+                              suffix="{intent} ({k})<|im_end|>\n<|im_start|>assistant\n", separator="\n",
+                              stop_token="<|im_end|>")
+    trie = compile_catalog(parse_registry(catalog_path(name).read_text()), tok, template)
+    queries = [_json.loads(line) for line in (catalog_path(name).parent / "dev_queries.jsonl").open()][:6]
+    results = {}
+    for head in ("sparse", "dense"):
+        eng = make_engine(backend, tok, NUM_BLOCKS, head=head)
+        rt = eng.load_catalog(trie)
+        eng.run_until_idle()
+        seqs = [eng.submit(rt, q["query"], len(q["tools"])) for q in queries]
+        eng.run_until_idle()
+        results[head] = [answer(s)[:2] for s in seqs]
+    assert results["sparse"] == results["dense"]
+    assert all(len(set(names)) == len(q["tools"]) for (names, _), q in zip(results["sparse"], queries))
