@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared import cli
 from shared.config import REPO_ROOT, Settings
 from shared.redis_server import LocalRedis
 
@@ -35,9 +36,12 @@ def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = 
     stub = health_pb2_grpc.HealthStub(channel)
     started = time.monotonic()
     deadline = started + timeout
+    shown = -1
     while True:
-        if what:
-            print(f"\r{what} ... {time.monotonic() - started:4.0f} s", end="", flush=True)
+        elapsed = int(time.monotonic() - started)
+        if what and elapsed != shown:
+            print(f"\r{what} ... {elapsed:4d} s", end="", flush=True)
+            shown = elapsed
         try:
             if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
                 if what:
@@ -67,38 +71,48 @@ def stop(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+def interrupt(*_):
+    raise KeyboardInterrupt
+
+
 def main() -> int:
-    from shared import cli
+    signal.signal(signal.SIGTERM, interrupt)  # stop what we started on SIGTERM too, not only Ctrl-C
     settings = Settings()
+    try:
+        return run(settings)
+    except KeyboardInterrupt:
+        print("\nstopping")
+        return 0
+
+
+def run(settings: Settings) -> int:
+    """Start everything inside an ExitStack, so whatever was started is stopped on any exit."""
     with ExitStack() as stack:
         redis_url = settings.redis_url
         if not redis_url:
             redis_url = stack.enter_context(LocalRedis(REPO_ROOT / "var" / "redis")).url
             print(f"redis      {redis_url} (data in var/redis)")
-        env = {**os.environ, "REDIS_URL": redis_url, "TOOLTRIE_METRICS_PORT": os.environ.get(
-            "TOOLTRIE_METRICS_PORT", "0")}
-        compiler = start_service("compiler_service.server", env, REPO_ROOT / "var" / "log" / "compiler.log")
+        env = {**os.environ, "REDIS_URL": redis_url}
+        compiler = start_service("compiler_service.server", {**env, "TOOLTRIE_METRICS_PORT": "0"},
+                                 REPO_ROOT / "var" / "log" / "compiler.log")
         stack.callback(stop, compiler)
         wait_serving(settings.compiler_addr, 60, compiler)
         print(f"compiler   {settings.compiler_addr} (log in var/log/compiler.log)")
         cli.main(["--compiler", settings.compiler_addr, "publish", str(DEMO_CATALOG), "--name", "metatool"])
         decoder = start_service("decoder_service.server", env, REPO_ROOT / "var" / "log" / "decoder.log")
         stack.callback(stop, decoder)
-        print(f"decoder    {settings.decoder_addr} (log in var/log/decoder.log)")
+        print(f"decoder    {settings.decoder_addr} (log in var/log/decoder.log, "
+              f"metrics on http://127.0.0.1:{settings.metrics_port}/metrics)")
         wait_serving(settings.decoder_addr, 900, decoder, "loading the model and warming the catalog prefix")
         for intent, k in DEMO_INTENTS:
             print(f"\n> {intent}  (k={k})")
             cli.main(["--decoder", settings.decoder_addr, "discover", intent, "-k", str(k), "--catalog", "metatool"])
         print(f"\nserving; try: .venv/bin/tooltrie discover \"book a hotel in Rome\" -k 2 --catalog metatool"
               "\n(Ctrl-C stops everything)")
-        try:
-            while compiler.poll() is None and decoder.poll() is None:
-                time.sleep(0.5)
-            print("a service exited: see var/log/compiler.log and var/log/decoder.log")
-            return 1
-        except KeyboardInterrupt:
-            print("\nstopping")
-            return 0
+        while compiler.poll() is None and decoder.poll() is None:
+            time.sleep(0.5)
+        print("a service exited: see var/log/compiler.log and var/log/decoder.log")
+        return 1
 
 
 if __name__ == "__main__":
