@@ -29,6 +29,25 @@ class Tool:
     version: int
 
 
+class _Answer:
+    """Reads one Discover stream: remembers the Accepted version and the Done timings, turns each
+    Pointer into a Tool (the same for the sync and the asyncio client)."""
+
+    def __init__(self):
+        self.accepted = self.done = None
+
+    def read(self, event) -> Tool | None:
+        kind = event.WhichOneof("event")
+        if kind == "accepted":
+            self.accepted = event.accepted
+        elif kind == "done":
+            self.done = event.done
+        else:
+            p = event.pointer
+            return Tool(p.index, p.name, p.logprob, self.accepted.catalog, self.accepted.version)
+        return None
+
+
 def _request(catalog, intent, k, version, allow, request_id) -> pb.DiscoverRequest:
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
                               request_id=request_id or "")
@@ -42,17 +61,13 @@ class DecoderClient:
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                  request_id: str | None = None):
-        """Yield each Tool as soon as the decoder completes it; the last event's timings are in .done."""
-        accepted = None
+        """Yield each Tool as soon as the decoder completes it; afterwards .done holds the timings."""
+        answer = _Answer()
         for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id), timeout=self.timeout):
-            kind = event.WhichOneof("event")
-            if kind == "accepted":
-                accepted = event.accepted
-            elif kind == "pointer":
-                yield Tool(event.pointer.index, event.pointer.name, event.pointer.logprob, accepted.catalog,
-                           accepted.version)
-            else:
-                self.done = event.done
+            tool = answer.read(event)
+            if tool:
+                yield tool
+        self.done = answer.done
 
     def info(self) -> pb.GetInfoResponse:
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)
@@ -75,15 +90,12 @@ class AsyncDecoderClient:
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                        request_id: str | None = None):
-        accepted = None
+        answer = _Answer()
         async for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id),
                                               timeout=self.timeout):
-            kind = event.WhichOneof("event")
-            if kind == "accepted":
-                accepted = event.accepted
-            elif kind == "pointer":
-                yield Tool(event.pointer.index, event.pointer.name, event.pointer.logprob, accepted.catalog,
-                           accepted.version)
+            tool = answer.read(event)
+            if tool:
+                yield tool
 
     async def close(self) -> None:
         await self.channel.close()
