@@ -227,10 +227,20 @@ def check_model(name, raw, out_rows, results, quick=False):
     be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt))   # batch 1, context ctx
     be.synchronize()
     tm = Timer(be)
-    scratch = cuda.device_array(64 << 20, np.float32)        # 256 MiB, > L2
+    # L2 flush that leaves clean lines: a GEMV reading a 256 MiB scratch matrix (a memset would leave
+    # 60 MB of dirty lines whose write-back the measured kernel would pay for).
+    fl_rows, fl_k = 65536, 2048
+    scratch_w = cuda.device_array(fl_rows * fl_k, np.uint16)
+    check(drv.cuMemsetD16Async(dptr(scratch_w), 0x3F80, scratch_w.size, be.stream.handle))
+    scratch_o = cuda.device_array(fl_rows, np.float32)
+    scratch_x = cuda.device_array(fl_k, np.float32)
+    check(drv.cuMemsetD32Async(dptr(scratch_x), 0x3F800000, fl_k, be.stream.handle))
+    fl = Launch(be.kernels["k_gemv"], 256, fl_k * 4,
+                [scratch_x, fl_k, be.logit_rows, 0, scratch_x, 1e-6, 0, scratch_w, fl_k // 8, fl_k, fl_rows,
+                 scratch_x, 0, scratch_o, fl_rows, 0, 0, 64], be.stream.handle, "flush")
 
     def flush():
-        check(drv.cuMemsetD32Async(dptr(scratch), 0x3F800000, scratch.size, be.stream.handle))
+        fl.launch(be.sm_count * 4, 1)
 
     t_flush, _ = tm.graph_ms(flush)
     isz = 2
@@ -273,7 +283,7 @@ def check_model(name, raw, out_rows, results, quick=False):
                  nc * H * isz + 4 * H + 4 * nc, False)
     res["kernels_cold"] = rows
 
-    # ---- GEMV launch-geometry variants (threads per block x resident blocks per SM cap)
+    # ---- GEMV variants: threads per block x cache hint for a warp's first rows (0 none, 1 L2, 2 L1)
     variants = []
     gemv_k = be.kernels["k_gemv"]
     for label in ("qkv (norm+GEMV)", "o_proj + residual", "gate_up + SwiGLU", "down + residual",
@@ -282,24 +292,29 @@ def check_model(name, raw, out_rows, results, quick=False):
                "down + residual": "down"}.get(label)
         base = [ly[key] for ly in be.layers] if key else [be.l_dense]
         nbytes = kinds[label][1]
-        for threads in (64, 128, 256):
-            for per_sm in (4, 8, 16, 32):
+        for threads in (128, 256, 512):
+            if gemv_k.occupancy(threads, base[0][0].shmem) < 1:
+                continue
+            for pf in (0, 1, 2):
                 launches = []
                 for lz, _g in base:
-                    nl = Launch(gemv_k, threads, lz.shmem, lz.args, be.stream.handle, lz.name)
+                    args = list(lz.args)
+                    args[16] = pf
+                    nl = Launch(gemv_k, threads, lz.shmem, args, be.stream.handle, lz.name)
                     nw = threads // WARP
-                    n_out = lz.args[10]
-                    need = -(-((n_out + 1) // 2) // nw)
-                    launches.append((nl, max(1, min(need, be.sm_count * per_sm))))
+                    need = -(-((args[10] + 1) // 2) // nw)
+                    launches.append((nl, max(1, min(need, be.sm_count * gemv_k.occupancy(threads, lz.shmem)))))
 
                 def body(launches=launches):
                     for lz, g in launches:
                         lz.launch(g, 1)
                 ms, _ = tm.graph_ms(lambda: (flush(), body()), reps=9)
                 us = (ms - t_flush) * 1e3 / len(launches)
-                variants.append(dict(kernel=label, threads=threads, blocks_per_sm=per_sm, us=us,
+                variants.append(dict(kernel=label, threads=threads, prefetch=pf, us=us,
                                      gbs=nbytes / (us * 1e-6) / 1e9))
     res["gemv_variants"] = variants
+    log("  GEMV variants (threads/prefetch: us): " + "; ".join(
+        f"{v['kernel'][:8]} {v['threads']}/{v['prefetch']}: {v['us']:.1f}" for v in variants))
 
     # ---- whole decode step, batch 1
     n_launch = be.launches_per_step()
@@ -334,7 +349,7 @@ def check_model(name, raw, out_rows, results, quick=False):
     step["launches_per_step"] = n_launch + 1
     step["weight_bytes_per_step_sparse"] = int(w.nbytes() - V * H * isz + 32 * H * isz)
     # batched decode steps (graph): R sequences decoding at once, each with its own context
-    for R in (8, 32):
+    for R in (4, 8, 32):
         tabs = np.arange(R * 4, dtype=np.int32).reshape(R, 4) + 64   # 4 blocks each, after slot tables
         for s0 in range(0, R, 8):
             be.forward(StepBatch.from_chunks([(s, rng.integers(3, V, 20).tolist(), 0)
@@ -360,7 +375,8 @@ def cache_probe(storage="bfloat16"):
         "import time,sys; sys.path.insert(0, %r)\n"
         "from decoder_service.model.cuda import compat\n"
         "from decoder_service.model.cuda.launcher import Kernel\n"
-        "t=time.time(); ks=[Kernel(n, %r) for n in ('k_embed','k_gemv','k_rope_kv','k_attn','k_final_norm','k_sparse')]\n"
+        "from decoder_service.model.cuda.kernels import KERNELS\n"
+        "t=time.time(); ks=[Kernel(n, %r) for n in KERNELS]\n"
         "print('CACHE', time.time()-t, [k.cache_hit for k in ks])\n") % (str(ROOT), storage)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("CACHE")]
@@ -439,10 +455,10 @@ def render(r) -> str:
             if v["kernel"] not in best or v["us"] < best[v["kernel"]]["us"]:
                 best[v["kernel"]] = v
         if best:
-            lines += ["", "Best GEMV launch geometry found (threads/block, resident-block cap per SM):", "",
-                      "| kernel | threads | blocks/SM cap | µs | GB/s |", "| --- | --- | --- | --- | --- |"]
+            lines += ["", "Best GEMV variant found (threads/block; prefetch 0 none, 1 L2, 2 L1):", "",
+                      "| kernel | threads | prefetch | µs | GB/s |", "| --- | --- | --- | --- | --- |"]
             for k, v in best.items():
-                lines.append(f"| {k} | {v['threads']} | {v['blocks_per_sm']} | {v['us']:.2f} | {v['gbs']:.0f} |")
+                lines.append(f"| {k} | {v['threads']} | {v['prefetch']} | {v['us']:.2f} | {v['gbs']:.0f} |")
         s = m["step"]
         lines += ["", "Whole decode step:", "",
                   f"- batch 1, graph (forward + sparse head, 32 candidates): **{s['graph_sparse_us']:.0f} µs**, "
@@ -450,8 +466,8 @@ def render(r) -> str:
                   f"- batch 1, graph (forward + dense head): {s['graph_dense_us']:.0f} µs, {s['graph_dense_nodes']} kernels",
                   f"- batch 1, raw cuLaunchKernel loop (no graph): {s['raw_launch_sparse_us']:.0f} µs/step, "
                   f"{s['host_enqueue_us_per_launch']:.1f} µs host time per launch, {s['launches_per_step']} launches",
-                  f"- batch 8, graph (forward + dense head): {s['graph_dense_batch8_us']:.0f} µs; "
-                  f"batch 32: {s['graph_dense_batch32_us']:.0f} µs",
+                  f"- batched decode, graph (forward + dense head): batch 4 {s['graph_dense_batch4_us']:.0f} µs, "
+                  f"batch 8 {s['graph_dense_batch8_us']:.0f} µs, batch 32 {s['graph_dense_batch32_us']:.0f} µs",
                   f"- init (upload + kernels): {m['init_s']:.1f} s; kernels: "
                   + ", ".join(f"{n} {v['regs']} regs/{v['local']} B local" for n, v in m["kernels"].items()), ""]
     cp = r.get("cache_probe")

@@ -59,7 +59,7 @@ class CudaBackend:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
-                 max_table: int | None = None):
+                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -73,13 +73,14 @@ class CudaBackend:
         self.max_table = max_table or max(64 * 64, 8 * max(1, -(-cfg.max_position_embeddings // kv_spec.block_size)))
         self.dqkv = cfg.q_size + 2 * cfg.kv_size
         self.kp_h, self.kp_q, self.kp_i = _round8(H), _round8(cfg.q_size), _round8(I)
+        self.prefetch = int(prefetch)            # 0 none, 1 L2, 2 L1 hint for a warp's first rows
 
         # Launch geometry: fixed per model, never per batch (determinism by construction).
         if SIM:
             self.t_gemv, self.t_attn, self.t_small = 2 * WARP, 2 * WARP, 2 * WARP
             self.sm_count = 2
         else:
-            self.t_gemv, self.t_attn, self.t_small = 128, 128, 128
+            self.t_gemv, self.t_attn, self.t_small = gemv_threads or 256, 128, 128
             self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
@@ -101,9 +102,10 @@ class CudaBackend:
         del gu
         self.w_down = dev(_pad_cols(weights.w_down, self.kp_i).reshape(-1))
         f32 = lambda a: np.ascontiguousarray(to_float32(a, weights.dtype), np.float32).reshape(-1)  # noqa: E731
-        self.n_attn = dev(f32(weights.attn_norm))
-        self.n_mlp = dev(f32(weights.mlp_norm))
-        self.n_final = dev(f32(weights.final_norm))
+        f32p = lambda a: _pad_cols(to_float32(a, weights.dtype).astype(np.float32), self.kp_h).reshape(-1)  # noqa: E731
+        self.n_attn = dev(f32p(weights.attn_norm))     # padded with zeros like the rows they scale
+        self.n_mlp = dev(f32p(weights.mlp_norm))
+        self.n_final = dev(f32p(weights.final_norm))
         one = dev(np.zeros(1, np.float32))
         self.b_qkv = dev(f32(weights.bqkv)) if cfg.qkv_bias else one
         self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
@@ -127,11 +129,14 @@ class CudaBackend:
         self.positions = self.ints[self._o_pos:self._o_pos + R]
         self.logit_rows = self.ints[self._o_lrows:self._o_lrows + N]
         self.block_tables = self.ints[self._o_tab:n_ints]
-        self.x = cuda.device_array(R * H, np.float32)
+        # Activations: rows padded to a multiple of 8 floats (16-byte staging loads); padding zero.
+        self.x = cuda.device_array(R * self.kp_h, np.float32)
         self.qkv = cuda.device_array(R * self.dqkv, np.float32)
-        self.att = cuda.device_array(R * cfg.q_size, np.float32)
-        self.act = cuda.device_array(R * I, np.float32)
-        self.hidden = cuda.device_array(N * H, np.float32)
+        self.att = cuda.device_array(R * self.kp_q, np.float32)
+        self.act = cuda.device_array(R * self.kp_i, np.float32)
+        self.hidden = cuda.device_array(N * self.kp_h, np.float32)
+        for buf in (self.x, self.att, self.act, self.hidden):
+            s.memset0(buf)
         self.logits = cuda.device_array(N * V, np.float32)
         self.cand_ints = cuda.device_array(N * C + N, np.int32)
         self.cand = self.cand_ints[0:N * C]
@@ -146,11 +151,14 @@ class CudaBackend:
         self._cand_host = pin(N * C + N, np.int32)
         self._out_host = pin(max(N * V, N * C), np.float32)
         self.table_stride = Scalar(ctypes.c_int32, 1)
+        self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step (4-row GEMV tiles)
+        self.n_logit = Scalar(ctypes.c_int32, 1)       # logit rows of this step (dense head tiles)
         self._R = self._N = 0
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
-                        ("k_embed", "k_gemv", "k_rope_kv", "k_attn", "k_final_norm", "k_sparse")}
+                        ("k_embed", "k_gemv", "k_gemv4", "k_rope_kv", "k_attn", "k_final_norm",
+                         "k_sparse")}
         self._build_launches()
         s.synchronize()
 
@@ -174,71 +182,76 @@ class CudaBackend:
                 f"activations {act / 2**30:.2f}) but only {free / 2**30:.2f} of {total / 2**30:.2f} "
                 f"GiB are free")
 
-    def _gemv_grid(self, n_out_rows: int) -> int:
+    def _gemv_grid(self, kernel: Kernel, n_out_rows: int, shmem: int) -> int:
+        """Blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond)."""
         nw = self.t_gemv // WARP
         need = -(-((n_out_rows + 1) // 2) // nw)
-        cap = self.sm_count * (_SM_BLOCKS if not SIM else 2)
+        cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(self.t_gemv, shmem)))
         return max(1, min(need, cap))
+
+    def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
+                   bias, use_bias: int, out, out_stride: int, mode: int):
+        """(launch, grid_x) for one row and for 4-row tiles of the same matrix-vector product."""
+        eps = float(self.cfg.rms_norm_eps)
+        epl = 128 // self.np_dtype.itemsize
+        args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
+                out, out_stride, mode, self.prefetch, epl]
+        k1, k4 = self.kernels["k_gemv"], self.kernels["k_gemv4"]
+        st = self.stream.handle
+        l1 = Launch(k1, self.t_gemv, kp * 4, args, st, name)
+        l4 = Launch(k4, self.t_gemv, 4 * kp * 4, args + [self.n_rows if name != "dense_head" else self.n_logit],
+                    st, name + "/4")
+        return (l1, self._gemv_grid(k1, N, kp * 4)), (l4, self._gemv_grid(k4, N, 4 * kp * 4))
 
     def _build_launches(self) -> None:
         cfg, k, st = self.cfg, self.kernels, self.stream.handle
         L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         eps = float(cfg.rms_norm_eps)
-        dummy_map = self.logit_rows
-        tg = self.t_gemv
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
+        epl = 128 // self.np_dtype.itemsize
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
-                              [self.tokens, self.w_embed, kh, H, self.x], st, "embed")
+                              [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
         self.layers = []
         for l in range(L):
             wq = self.w_qkv[l * self.dqkv * kh:(l + 1) * self.dqkv * kh]
             wo = self.w_o[l * H * kq:(l + 1) * H * kq]
             wgu = self.w_gu[l * 2 * I * kh:(l + 1) * 2 * I * kh]
             wd = self.w_down[l * H * ki:(l + 1) * H * ki]
-            na = self.n_attn[l * H:(l + 1) * H]
-            nm = self.n_mlp[l * H:(l + 1) * H]
+            na = self.n_attn[l * kh:(l + 1) * kh]
+            nm = self.n_mlp[l * kh:(l + 1) * kh]
             bias = self.b_qkv[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv
             kvo = l * self.kv_layer_elems
-            layer = {
-                "qkv": (Launch(k["k_gemv"], tg, kh * 4,
-                               [self.x, H, dummy_map, 0, na, eps, 1, wq, kh // 8, H, self.dqkv, bias,
-                                int(cfg.qkv_bias), self.qkv, self.dqkv, 0], st, f"qkv[{l}]"),
-                        self._gemv_grid(self.dqkv)),
-                "rope": Launch(k["k_rope_kv"], self.t_rope, 0,
-                               [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
-                                self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
-                                l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]"),
-                "attn": Launch(k["k_attn"], self.t_attn, (hd + self.t_attn) * 4,
-                               [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
-                                self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, cfg.q_size],
-                               st, f"attn[{l}]"),
-                "o": (Launch(k["k_gemv"], tg, kq * 4,
-                             [self.att, cfg.q_size, dummy_map, 0, na, eps, 0, wo, kq // 8, cfg.q_size, H,
-                              self.b_qkv, 0, self.x, H, 1], st, f"o_proj[{l}]"),
-                      self._gemv_grid(H)),
-                "gate_up": (Launch(k["k_gemv"], tg, kh * 4,
-                                   [self.x, H, dummy_map, 0, nm, eps, 1, wgu, kh // 8, H, 2 * I,
-                                    self.b_qkv, 0, self.act, I, 2], st, f"gate_up[{l}]"),
-                            self._gemv_grid(2 * I)),
-                "down": (Launch(k["k_gemv"], tg, ki * 4,
-                                [self.act, I, dummy_map, 0, nm, eps, 0, wd, ki // 8, I, H,
-                                 self.b_qkv, 0, self.x, H, 1], st, f"down[{l}]"),
-                         self._gemv_grid(H)),
-            }
+            layer = {}
+            layer["qkv"], layer["qkv/4"] = self._gemv_pair(
+                f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
+                self.qkv, self.dqkv, 0)
+            layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
+                                   [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                    self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
+                                    nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
+                                    l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
+            layer["attn"] = Launch(k["k_attn"], self.t_attn, (hd + self.t_attn) * 4,
+                                   [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                    self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
+                                    nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq], st, f"attn[{l}]")
+            layer["o"], layer["o/4"] = self._gemv_pair(
+                f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H, self.b_qkv, 0, self.x, kh, 1)
+            layer["gate_up"], layer["gate_up/4"] = self._gemv_pair(
+                f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I, self.b_qkv, 0, self.act, ki, 2)
+            layer["down"], layer["down/4"] = self._gemv_pair(
+                f"down[{l}]", self.act, ki, nm, 0, wd, I, ki, H, self.b_qkv, 0, self.x, kh, 1)
             self.layers.append(layer)
-        self.l_final = Launch(k["k_final_norm"], self.t_small, 0,
-                              [self.x, H, self.logit_rows, self.n_final, eps, self.hidden], st, "final_norm")
-        self.l_dense = (Launch(k["k_gemv"], tg, kh * 4,
-                               [self.hidden, H, dummy_map, 0, self.n_final, eps, 0, self.w_head, kh // 8, H,
-                                V, self.b_qkv, 0, self.logits, V, 0], st, "dense_head"),
-                        self._gemv_grid(V))
+        self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
+                              [self.x, kh, self.logit_rows, self.n_final, eps, H, kh // 8, self.hidden, kh],
+                              st, "final_norm")
+        self.l_dense, self.l_dense4 = self._gemv_pair(
+            "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V, self.b_qkv, 0,
+            self.logits, V, 0)
         nwc = self.t_gemv // WARP
-        self.l_sparse = (Launch(k["k_sparse"], tg, kh * 4,
-                                [self.hidden, H, self.w_head, kh // 8, V, self.cand, self.ncand,
-                                 self.max_candidates, self.sparse], st, "sparse_head"),
+        self.l_sparse = (Launch(k["k_sparse"], self.t_gemv, kh * 4,
+                                [self.hidden, kh, self.w_head, kh // 8, V, self.cand, self.ncand,
+                                 self.max_candidates, self.sparse, self.prefetch, epl], st, "sparse_head"),
                          max(1, -(-self.max_candidates // (2 * nwc))))
 
     # ------------------------------------------------------------------------- device-level entries
@@ -270,26 +283,38 @@ class CudaBackend:
         self.table_stride.value = int(mb)
 
     def launch_forward(self, R: int, N: int) -> None:
-        """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers)."""
+        """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
+        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element)."""
+        nq, nh = self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_heads
+        if R == 1:
+            keys, gy = ("qkv", "o", "gate_up", "down"), 1
+        else:
+            keys, gy = ("qkv/4", "o/4", "gate_up/4", "down/4"), -(-R // 4)
+            self.n_rows.value = R
+        kq, ko, kg, kd = keys
         self.l_embed.launch(R)
         for layer in self.layers:
-            lq, gq = layer["qkv"]
-            lq.launch(gq, R)
-            layer["rope"].launch(R, self.cfg.num_heads + self.cfg.num_kv_heads)
-            layer["attn"].launch(R, self.cfg.num_heads)
-            lo, go = layer["o"]
-            lo.launch(go, R)
-            lg, gg = layer["gate_up"]
-            lg.launch(gg, R)
-            ld, gd = layer["down"]
-            ld.launch(gd, R)
+            lz, gx = layer[kq]
+            lz.launch(gx, gy)
+            layer["rope"].launch(R, nq)
+            layer["attn"].launch(R, nh)
+            lz, gx = layer[ko]
+            lz.launch(gx, gy)
+            lz, gx = layer[kg]
+            lz.launch(gx, gy)
+            lz, gx = layer[kd]
+            lz.launch(gx, gy)
         if N:
             self.l_final.launch(N)
 
     def launch_dense(self, N: int) -> None:
-        ld, gd = self.l_dense
-        if N:
-            ld.launch(gd, N)
+        if N == 1:
+            lz, gx = self.l_dense
+            lz.launch(gx, 1)
+        elif N > 1:
+            self.n_logit.value = N
+            lz, gx = self.l_dense4
+            lz.launch(gx, -(-N // 4))
 
     def stage_candidates(self, cand: np.ndarray, n: np.ndarray) -> None:
         """cand int32 [N, C <= max_candidates], n int32 [N] into `cand` (row stride max_candidates)."""

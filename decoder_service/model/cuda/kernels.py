@@ -93,6 +93,12 @@ if SIM:  # ------------------------------------------------------------------ si
         vals, lane = _warp_exchange(v)
         return np.float32(vals.max())
 
+    def prefetch_l2(arr, i):
+        """No-op in the simulator (a cache hint on the GPU)."""
+
+    def prefetch_l1(arr, i):
+        """No-op in the simulator (a cache hint on the GPU)."""
+
 else:  # ------------------------------------------------------------------------ GPU primitives
     from llvmlite import ir
     from numba.cuda import types as nbt
@@ -202,6 +208,28 @@ else:  # -----------------------------------------------------------------------
 
         return sig, codegen
 
+    def _prefetch(level):
+        @intrinsic
+        def impl(typingctx, arr, i):
+            """prefetch.global.<level> of the line holding arr[i]: a hint, no register, no result."""
+            if not isinstance(arr, nbt.Array):
+                return None
+            sig = nbt.void(arr, i)
+
+            def codegen(context, builder, sig, args):
+                aty, ity = sig.args
+                addr = builder.ptrtoint(_elem_ptr(context, builder, aty, args[0], args[1], ity), _I64)
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [_I64]),
+                                   f"prefetch.global.{level} [$0];", "l", side_effect=True)
+                builder.call(asm, [addr])
+                return context.get_dummy_value()
+
+            return sig, codegen
+        return impl
+
+    prefetch_l2 = _prefetch("L2")
+    prefetch_l1 = _prefetch("L1")
+
     @cuda.jit(device=True, inline="always")
     def warp_sum(v):
         v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 16)
@@ -251,33 +279,82 @@ def block_max(v, red, tid, nw):
 
 
 @cuda.jit(device=True, inline="always")
-def stage_planar(xs, x, xb, K, Q, tid, T):
-    """x[xb : xb+K] into shared memory in 8 planes (plane e holds x[8q+e] at e*Q+q, zero beyond K), so
-    that lane l reading element e of its chunk q hits bank (e*Q+q) % 32: conflict-free."""
-    for k in range(tid, Q * 8, T):
-        v = np.float32(0.0)
-        if k < K:
-            v = x[xb + k]
-        xs[(k % 8) * Q + k // 8] = v
+def stage_row(xs, xo, x, xb, gamma, eps, use_norm, K, Q, tid, T, red, nw):
+    """Stage the row x[xb : xb + 8Q] (its padding beyond K is zero in memory) into shared memory at
+    xs[xo:], in 8 planes (plane e holds element 8q+e at e*Q+q: lane l reading chunk q touches bank
+    (e*Q+q) % 32, conflict-free), with a fused RMSNorm when use_norm: x * rsqrt(mean(x^2)+eps) * gamma.
+
+    Thread t owns chunks t, t+T, ... and loads two 8-element chunks per trip with 16-byte loads; its
+    sum of squares runs over its chunks in ascending order, then one fixed block tree (T is fixed
+    per launch geometry, which depends on the model only). Each thread rescales only what it wrote.
+    Block-uniform call (contains barriers when use_norm)."""
+    ss = np.float32(0.0)
+    c = tid
+    while c < Q:
+        c2 = c + T
+        cc = c2 if c2 < Q else c
+        v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xb + c * 8)
+        y0, y1, y2, y3, y4, y5, y6, y7 = ld8(x, xb + cc * 8)
+        xs[xo + c] = v0
+        xs[xo + Q + c] = v1
+        xs[xo + 2 * Q + c] = v2
+        xs[xo + 3 * Q + c] = v3
+        xs[xo + 4 * Q + c] = v4
+        xs[xo + 5 * Q + c] = v5
+        xs[xo + 6 * Q + c] = v6
+        xs[xo + 7 * Q + c] = v7
+        ss += v0 * v0
+        ss += v1 * v1
+        ss += v2 * v2
+        ss += v3 * v3
+        ss += v4 * v4
+        ss += v5 * v5
+        ss += v6 * v6
+        ss += v7 * v7
+        if c2 < Q:
+            xs[xo + c2] = y0
+            xs[xo + Q + c2] = y1
+            xs[xo + 2 * Q + c2] = y2
+            xs[xo + 3 * Q + c2] = y3
+            xs[xo + 4 * Q + c2] = y4
+            xs[xo + 5 * Q + c2] = y5
+            xs[xo + 6 * Q + c2] = y6
+            xs[xo + 7 * Q + c2] = y7
+            ss += y0 * y0
+            ss += y1 * y1
+            ss += y2 * y2
+            ss += y3 * y3
+            ss += y4 * y4
+            ss += y5 * y5
+            ss += y6 * y6
+            ss += y7 * y7
+        c += 2 * T
+    if use_norm != 0:
+        ss = block_sum(ss, red, tid, nw)
+        inv = np.float32(1.0) / math.sqrt(ss / np.float32(K) + eps)
+        c = tid
+        while c < Q:
+            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
+            xs[xo + c] = xs[xo + c] * inv * g0
+            xs[xo + Q + c] = xs[xo + Q + c] * inv * g1
+            xs[xo + 2 * Q + c] = xs[xo + 2 * Q + c] * inv * g2
+            xs[xo + 3 * Q + c] = xs[xo + 3 * Q + c] * inv * g3
+            xs[xo + 4 * Q + c] = xs[xo + 4 * Q + c] * inv * g4
+            xs[xo + 5 * Q + c] = xs[xo + 5 * Q + c] * inv * g5
+            xs[xo + 6 * Q + c] = xs[xo + 6 * Q + c] * inv * g6
+            xs[xo + 7 * Q + c] = xs[xo + 7 * Q + c] * inv * g7
+            c += T
 
 
 @cuda.jit(device=True, inline="always")
-def norm_planar(xs, gamma, eps, K, Q, tid, T):
-    """RMSNorm of the staged row in place: x * rsqrt(mean(x^2) + eps) * gamma. Every warp computes the
-    same sum with the same tree (lane-strided over the planar layout, then the butterfly)."""
-    lane = tid % WARP
-    ss = np.float32(0.0)
-    for p in range(lane, Q * 8, WARP):
-        v = xs[p]
-        ss += v * v
-    ss = warp_sum(ss)
-    inv = np.float32(1.0) / math.sqrt(ss / np.float32(K) + eps)
-    cuda.syncthreads()
-    for p in range(tid, Q * 8, T):
-        k = (p % Q) * 8 + p // Q
-        if k < K:
-            xs[p] = xs[p] * inv * gamma[k]
-    cuda.syncthreads()
+def prefetch_row(W, base, Kp, lane, pf, epl):
+    """Cache hint for one weight row (pf 1: into L2, 2: into L1), one line per lane per trip."""
+    if pf == 1:
+        for e in range(lane * epl, Kp, WARP * epl):
+            prefetch_l2(W, base + e)
+    elif pf == 2:
+        for e in range(lane * epl, Kp, WARP * epl):
+            prefetch_l1(W, base + e)
 
 
 @cuda.jit(device=True, inline="always")
@@ -295,59 +372,125 @@ def acc8(a0, a1, w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7)
 
 
 @cuda.jit(device=True, inline="always")
+def xchunk(xs, xo, Q, q):
+    """The 8 staged x values of chunk q (planar layout)."""
+    return (xs[xo + q], xs[xo + Q + q], xs[xo + 2 * Q + q], xs[xo + 3 * Q + q], xs[xo + 4 * Q + q],
+            xs[xo + 5 * Q + q], xs[xo + 6 * Q + q], xs[xo + 7 * Q + q])
+
+
+@cuda.jit(device=True, inline="always")
+def acc8t(a0, a1, w, xv):
+    return acc8(a0, a1, w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+                xv[0], xv[1], xv[2], xv[3], xv[4], xv[5], xv[6], xv[7])
+
+
+@cuda.jit(device=True, inline="always")
 def dot2(W, wa, wb, xs, Q, lane):
-    """Dot products of two weight rows (element offsets wa, wb; row length Q*8) with the staged planar
-    vector, one warp. Lane l takes chunks l, l+WARP, ... in ascending order (two chunks per loop trip,
-    so four 16-byte loads are in flight per lane), two accumulators per row (even/odd elements), then
-    the butterfly. The arithmetic of a row never depends on its partner or on the launch."""
+    """Dot products of two weight rows (element offsets wa, wb; row length 8Q) with the staged planar
+    vector, by one warp. Lane l accumulates chunks l, l+WARP, l+2WARP, ... in ascending order, even
+    elements into one accumulator and odd into another, then the xor butterfly. Four chunks per trip
+    (eight 16-byte loads in flight per lane; out-of-range chunks load a valid duplicate and are not
+    accumulated). The arithmetic of a row never depends on its partner, the trip grouping or the
+    launch: dot2x4 and the sparse head produce the same bits for the same row and vector."""
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
     b0 = np.float32(0.0)
     b1 = np.float32(0.0)
-    Qu = np.uint64(Q)
-    q = np.uint64(lane)
-    step = np.uint64(WARP)
-    while q + step < Qu:
-        q2 = q + step
-        w0, w1, w2, w3, w4, w5, w6, w7 = ld8(W, wa + np.int64(q * np.uint64(8)))
-        u0, u1, u2, u3, u4, u5, u6, u7 = ld8(W, wb + np.int64(q * np.uint64(8)))
-        y0, y1, y2, y3, y4, y5, y6, y7 = ld8(W, wa + np.int64(q2 * np.uint64(8)))
-        v0, v1, v2, v3, v4, v5, v6, v7 = ld8(W, wb + np.int64(q2 * np.uint64(8)))
-        x0 = xs[q]
-        x1 = xs[Qu + q]
-        x2 = xs[np.uint64(2) * Qu + q]
-        x3 = xs[np.uint64(3) * Qu + q]
-        x4 = xs[np.uint64(4) * Qu + q]
-        x5 = xs[np.uint64(5) * Qu + q]
-        x6 = xs[np.uint64(6) * Qu + q]
-        x7 = xs[np.uint64(7) * Qu + q]
-        a0, a1 = acc8(a0, a1, w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7)
-        b0, b1 = acc8(b0, b1, u0, u1, u2, u3, u4, u5, u6, u7, x0, x1, x2, x3, x4, x5, x6, x7)
-        x0 = xs[q2]
-        x1 = xs[Qu + q2]
-        x2 = xs[np.uint64(2) * Qu + q2]
-        x3 = xs[np.uint64(3) * Qu + q2]
-        x4 = xs[np.uint64(4) * Qu + q2]
-        x5 = xs[np.uint64(5) * Qu + q2]
-        x6 = xs[np.uint64(6) * Qu + q2]
-        x7 = xs[np.uint64(7) * Qu + q2]
-        a0, a1 = acc8(a0, a1, y0, y1, y2, y3, y4, y5, y6, y7, x0, x1, x2, x3, x4, x5, x6, x7)
-        b0, b1 = acc8(b0, b1, v0, v1, v2, v3, v4, v5, v6, v7, x0, x1, x2, x3, x4, x5, x6, x7)
-        q = q2 + step
-    if q < Qu:
-        w0, w1, w2, w3, w4, w5, w6, w7 = ld8(W, wa + np.int64(q * np.uint64(8)))
-        u0, u1, u2, u3, u4, u5, u6, u7 = ld8(W, wb + np.int64(q * np.uint64(8)))
-        x0 = xs[q]
-        x1 = xs[Qu + q]
-        x2 = xs[np.uint64(2) * Qu + q]
-        x3 = xs[np.uint64(3) * Qu + q]
-        x4 = xs[np.uint64(4) * Qu + q]
-        x5 = xs[np.uint64(5) * Qu + q]
-        x6 = xs[np.uint64(6) * Qu + q]
-        x7 = xs[np.uint64(7) * Qu + q]
-        a0, a1 = acc8(a0, a1, w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7)
-        b0, b1 = acc8(b0, b1, u0, u1, u2, u3, u4, u5, u6, u7, x0, x1, x2, x3, x4, x5, x6, x7)
+    last = Q - 1
+    q = lane
+    while q < Q:
+        q1 = q + WARP
+        q2 = q + 2 * WARP
+        q3 = q + 3 * WARP
+        c1 = min(q1, last) * 8
+        c2 = min(q2, last) * 8
+        c3 = min(q3, last) * 8
+        wq = ld8(W, wa + q * 8)
+        uq = ld8(W, wb + q * 8)
+        w1 = ld8(W, wa + c1)
+        u1 = ld8(W, wb + c1)
+        w2 = ld8(W, wa + c2)
+        u2 = ld8(W, wb + c2)
+        w3 = ld8(W, wa + c3)
+        u3 = ld8(W, wb + c3)
+        xv = xchunk(xs, 0, Q, q)
+        a0, a1 = acc8t(a0, a1, wq, xv)
+        b0, b1 = acc8t(b0, b1, uq, xv)
+        if q1 < Q:
+            xv = xchunk(xs, 0, Q, q1)
+            a0, a1 = acc8t(a0, a1, w1, xv)
+            b0, b1 = acc8t(b0, b1, u1, xv)
+        if q2 < Q:
+            xv = xchunk(xs, 0, Q, q2)
+            a0, a1 = acc8t(a0, a1, w2, xv)
+            b0, b1 = acc8t(b0, b1, u2, xv)
+        if q3 < Q:
+            xv = xchunk(xs, 0, Q, q3)
+            a0, a1 = acc8t(a0, a1, w3, xv)
+            b0, b1 = acc8t(b0, b1, u3, xv)
+        q += 4 * WARP
     return warp_sum(a0 + a1), warp_sum(b0 + b1)
+
+
+@cuda.jit(device=True, inline="always")
+def dot2x4(W, wa, wb, xs, Q, lane):
+    """dot2 for four staged vectors at once (planar rows at xs[0], xs[8Q], xs[16Q], xs[24Q]): each
+    weight chunk is loaded once and used four times. Per (row, vector) the same operations in the
+    same order as dot2, so a row's result is bit-identical whichever kernel computed it."""
+    a0 = np.float32(0.0)
+    a1 = np.float32(0.0)
+    b0 = np.float32(0.0)
+    b1 = np.float32(0.0)
+    c0 = np.float32(0.0)
+    c1_ = np.float32(0.0)
+    d0 = np.float32(0.0)
+    d1 = np.float32(0.0)
+    e0 = np.float32(0.0)
+    e1 = np.float32(0.0)
+    f0 = np.float32(0.0)
+    f1 = np.float32(0.0)
+    g0 = np.float32(0.0)
+    g1 = np.float32(0.0)
+    h0 = np.float32(0.0)
+    h1 = np.float32(0.0)
+    last = Q - 1
+    S = 8 * Q
+    q = lane
+    while q < Q:
+        q1 = q + WARP
+        k1 = min(q1, last) * 8
+        wq = ld8(W, wa + q * 8)
+        uq = ld8(W, wb + q * 8)
+        w1 = ld8(W, wa + k1)
+        u1 = ld8(W, wb + k1)
+        xv = xchunk(xs, 0, Q, q)
+        a0, a1 = acc8t(a0, a1, wq, xv)
+        b0, b1 = acc8t(b0, b1, uq, xv)
+        xv = xchunk(xs, S, Q, q)
+        c0, c1_ = acc8t(c0, c1_, wq, xv)
+        d0, d1 = acc8t(d0, d1, uq, xv)
+        xv = xchunk(xs, 2 * S, Q, q)
+        e0, e1 = acc8t(e0, e1, wq, xv)
+        f0, f1 = acc8t(f0, f1, uq, xv)
+        xv = xchunk(xs, 3 * S, Q, q)
+        g0, g1 = acc8t(g0, g1, wq, xv)
+        h0, h1 = acc8t(h0, h1, uq, xv)
+        if q1 < Q:
+            xv = xchunk(xs, 0, Q, q1)
+            a0, a1 = acc8t(a0, a1, w1, xv)
+            b0, b1 = acc8t(b0, b1, u1, xv)
+            xv = xchunk(xs, S, Q, q1)
+            c0, c1_ = acc8t(c0, c1_, w1, xv)
+            d0, d1 = acc8t(d0, d1, u1, xv)
+            xv = xchunk(xs, 2 * S, Q, q1)
+            e0, e1 = acc8t(e0, e1, w1, xv)
+            f0, f1 = acc8t(f0, f1, u1, xv)
+            xv = xchunk(xs, 3 * S, Q, q1)
+            g0, g1 = acc8t(g0, g1, w1, xv)
+            h0, h1 = acc8t(h0, h1, u1, xv)
+        q += 2 * WARP
+    return (warp_sum(a0 + a1), warp_sum(b0 + b1), warp_sum(c0 + c1_), warp_sum(d0 + d1),
+            warp_sum(e0 + e1), warp_sum(f0 + f1), warp_sum(g0 + g1), warp_sum(h0 + h1))
 
 
 @cuda.jit(device=True, inline="always")
@@ -363,63 +506,120 @@ def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
 # ----------------------------------------------------------------------------------------- kernels
 
 @cuda.jit(cache=True)
-def k_embed(tokens, E, Kp, H, x):
-    """x[r, :] = E[tokens[r], :H] (widened to float32). Grid (R,)."""
+def k_embed(tokens, E, Q, x, x_stride):
+    """x[r, :8Q] = E[tokens[r], :8Q] (rows padded with zeros; widened to float32). Grid (R,)."""
     r = cuda.blockIdx.x
-    base = np.int64(tokens[r]) * Kp
-    xb = np.int64(r) * H
-    for k in range(cuda.threadIdx.x, H, cuda.blockDim.x):
-        x[xb + k] = ldf(E, base + k)
+    base = np.int64(tokens[r]) * (Q * 8)
+    xb = np.int64(r) * x_stride
+    for c in range(cuda.threadIdx.x, Q, cuda.blockDim.x):
+        v0, v1, v2, v3, v4, v5, v6, v7 = ld8(E, base + c * 8)
+        o = xb + c * 8
+        x[o] = v0
+        x[o + 1] = v1
+        x[o + 2] = v2
+        x[o + 3] = v3
+        x[o + 4] = v4
+        x[o + 5] = v5
+        x[o + 6] = v6
+        x[o + 7] = v7
+
+
+@cuda.jit(device=True, inline="always")
+def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode):
+    """Epilogue of one row pair (lane 0): mode 0 store (+ bias), 1 accumulate (residual), 2 SwiGLU."""
+    if mode == 2:
+        out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
+    else:
+        if use_bias != 0:
+            a += bias[ra]
+            if rb < N:
+                b += bias[rb]
+        if mode == 1:
+            out[ob + ra] += a
+            if rb < N:
+                out[ob + rb] += b
+        else:
+            out[ob + ra] = a
+            if rb < N:
+                out[ob + rb] = b
 
 
 @cuda.jit(cache=True)
 def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-           out, out_stride, mode):
+           out, out_stride, mode, pf, epl):
     """out[r] (op)= W @ f(x[src]) for one input row per blockIdx.y; f = RMSNorm(gamma) if use_norm.
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
-    pairs. mode 0: out[j] = dot (+ bias[j]); mode 1: out[j] += dot (residual); mode 2: SwiGLU over
-    interleaved gate/up rows: out[p] = silu(dot(2p)) * dot(2p+1). Dynamic shared memory: Q*8 floats.
+    pairs; before staging x it issues cache hints (pf) for its first pair's rows so that the weight
+    fetch overlaps the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
+    2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1).
+    Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
+    nw = T // WARP
+    lane = tid % WARP
     r = cuda.blockIdx.y
+    npairs = (N + 1) // 2
+    Kp = np.int64(Q) * 8
+    p0 = cuda.blockIdx.x * nw + tid // WARP
+    if pf != 0 and p0 < npairs:
+        prefetch_row(W, 2 * p0 * Kp, Kp, lane, pf, epl)
+        prefetch_row(W, min(2 * p0 + 1, N - 1) * Kp, Kp, lane, pf, epl)
     src = r
     if use_map != 0:
         src = row_map[r]
-    stage_planar(xs, x, np.int64(src) * x_stride, K, Q, tid, T)
+    stage_row(xs, 0, x, np.int64(src) * x_stride, gamma, eps, use_norm, K, Q, tid, T, red, nw)
     cuda.syncthreads()
-    if use_norm != 0:
-        norm_planar(xs, gamma, eps, K, Q, tid, T)
-    lane = tid % WARP
-    nw = T // WARP
-    npairs = (N + 1) // 2
     ob = np.int64(r) * out_stride
-    Kp = np.int64(Q) * 8
-    for p in range(cuda.blockIdx.x * nw + tid // WARP, npairs, cuda.gridDim.x * nw):
+    for p in range(p0, npairs, cuda.gridDim.x * nw):
         ra = 2 * p
         rb = ra + 1
-        rbl = rb
-        if rb >= N:
-            rbl = ra
-        a, b = dot2(W, ra * Kp, rbl * Kp, xs, Q, lane)
+        a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
-            if mode == 2:
-                out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
-            else:
-                if use_bias != 0:
-                    a += bias[ra]
-                    if rb < N:
-                        b += bias[rb]
-                if mode == 1:
-                    out[ob + ra] += a
-                    if rb < N:
-                        out[ob + rb] += b
-                else:
-                    out[ob + ra] = a
-                    if rb < N:
-                        out[ob + rb] = b
+            gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode)
+
+
+@cuda.jit(cache=True)
+def k_gemv4(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
+            out, out_stride, mode, pf, epl, R):
+    """k_gemv for four input rows per blockIdx.y (rows 4y..4y+3, the last clamped to R-1 and not
+    stored): each weight chunk is read once for four rows. Per output element the same arithmetic as
+    k_gemv. Dynamic shared memory: 32Q floats."""
+    xs = cuda.shared.array(0, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    nw = T // WARP
+    lane = tid % WARP
+    r0 = cuda.blockIdx.y * 4
+    npairs = (N + 1) // 2
+    Kp = np.int64(Q) * 8
+    p0 = cuda.blockIdx.x * nw + tid // WARP
+    if pf != 0 and p0 < npairs:
+        prefetch_row(W, 2 * p0 * Kp, Kp, lane, pf, epl)
+        prefetch_row(W, min(2 * p0 + 1, N - 1) * Kp, Kp, lane, pf, epl)
+    for i in range(4):
+        r = min(r0 + i, R - 1)
+        src = r
+        if use_map != 0:
+            src = row_map[r]
+        stage_row(xs, i * Kp, x, np.int64(src) * x_stride, gamma, eps, use_norm, K, Q, tid, T, red, nw)
+    cuda.syncthreads()
+    for p in range(p0, npairs, cuda.gridDim.x * nw):
+        ra = 2 * p
+        rb = ra + 1
+        a, b, c, d, e, f, g, h = dot2x4(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
+        if lane == 0:
+            gemv_store(out, np.int64(r0) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
+            if r0 + 1 < R:
+                gemv_store(out, np.int64(r0 + 1) * out_stride, p, ra, rb, N, c, d, bias, use_bias, mode)
+            if r0 + 2 < R:
+                gemv_store(out, np.int64(r0 + 2) * out_stride, p, ra, rb, N, e, f, bias, use_bias, mode)
+            if r0 + 3 < R:
+                gemv_store(out, np.int64(r0 + 3) * out_stride, p, ra, rb, N, g, h, bias, use_bias, mode)
 
 
 @cuda.jit(cache=True)
@@ -562,32 +762,30 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
 
 
 @cuda.jit(cache=True)
-def k_final_norm(x, H, rows, gamma, eps, out):
-    """out[i] = RMSNorm(x[rows[i]]) * gamma: the final-normed hidden state of the logit rows."""
+def k_final_norm(x, x_stride, rows, gamma, eps, K, Q, out, out_stride):
+    """out[i] = RMSNorm(x[rows[i]]) * gamma: the final-normed hidden state of the logit rows
+    (the same staging and tree as the fused norms; padding columns stay zero)."""
+    xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     i = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
-    xb = np.int64(rows[i]) * H
-    ss = np.float32(0.0)
-    for k in range(tid, H, T):
-        v = x[xb + k]
-        ss += v * v
-    ss = block_sum(ss, red, tid, T // WARP)
-    inv = np.float32(1.0) / math.sqrt(ss / np.float32(H) + eps)
-    ob = np.int64(i) * H
-    for k in range(tid, H, T):
-        out[ob + k] = x[xb + k] * inv * gamma[k]
+    stage_row(xs, 0, x, np.int64(rows[i]) * x_stride, gamma, eps, 1, K, Q, tid, T, red, T // WARP)
+    ob = np.int64(i) * out_stride
+    for c in range(tid, Q, T):          # each thread writes back the chunks it staged
+        for e in range(8):
+            out[ob + c * 8 + e] = xs[e * Q + c]
 
 
 @cuda.jit(cache=True)
-def k_sparse(h, H, W, Q, V, cand, ncand, cmax, out):
+def k_sparse(h, h_stride, W, Q, V, cand, ncand, cmax, out, pf, epl):
     """Logits of candidate tokens only: out[i, c] = W[cand[i, c]] . h[i] for c < ncand[i].
 
     The same staging and the same dot2 as the dense head, so a candidate's logit is bit-identical to
     the dense head's. Ids outside [0, V) give NaN (the caller fails loudly). Grid (tiles, N).
     """
     xs = cuda.shared.array(0, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
     i = cuda.blockIdx.y
     n = ncand[i]
     tid = cuda.threadIdx.x
@@ -595,15 +793,12 @@ def k_sparse(h, H, W, Q, V, cand, ncand, cmax, out):
     nw = T // WARP
     if cuda.blockIdx.x * nw * 2 >= n:
         return
-    stage_planar(xs, h, np.int64(i) * H, H, Q, tid, T)
-    cuda.syncthreads()
     lane = tid % WARP
+    Kp = np.int64(Q) * 8
     ca = (cuda.blockIdx.x * nw + tid // WARP) * 2
-    if ca >= n:
-        return
     cb = ca + 1
     cbase = np.int64(i) * cmax
-    ta = cand[cbase + ca]
+    ta = cand[cbase + min(ca, n - 1)]
     tb = ta
     if cb < n:
         tb = cand[cbase + cb]
@@ -611,13 +806,18 @@ def k_sparse(h, H, W, Q, V, cand, ncand, cmax, out):
     vb = tb >= 0 and tb < V
     sa = ta if va else 0
     sb = tb if vb else 0
-    Kp = np.int64(Q) * 8
+    if pf != 0 and ca < n:
+        prefetch_row(W, sa * Kp, Kp, lane, pf, epl)
+        prefetch_row(W, sb * Kp, Kp, lane, pf, epl)
+    stage_row(xs, 0, h, np.int64(i) * h_stride, red, np.float32(0.0), 0, Q * 8, Q, tid, T, red, nw)
+    cuda.syncthreads()
+    if ca >= n:
+        return
     a, b = dot2(W, sa * Kp, sb * Kp, xs, Q, lane)
     if lane == 0:
         out[cbase + ca] = a if va else np.float32(math.nan)
         if cb < n:
             out[cbase + cb] = b if vb else np.float32(math.nan)
-
 
 
 # ------------------------------------------------------------------------------------- signatures
@@ -634,16 +834,18 @@ def signatures(storage: str) -> dict:
     st = {"bfloat16": t.uint16, "float16": t.float16, "float32": t.float32}[storage]
     f32, i32, i64, f64 = _arr(t.float32), t.int32, t.int64, _arr(t.float64)
     ai, W = _arr(t.int32), _arr(st)
+    gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
     return {
-        "k_embed": (ai, W, i32, i32, f32),
-        "k_gemv": (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32),
+        "k_embed": (ai, W, i32, f32, i32),
+        "k_gemv": gemv,
+        "k_gemv4": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
                       i32, t.float32),
         "k_attn": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32),
-        "k_final_norm": (f32, i32, ai, f32, t.float32, f32),
-        "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32),
+        "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
+        "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
     }
 
 
-KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_rope_kv": k_rope_kv, "k_attn": k_attn,
+KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv4": k_gemv4, "k_rope_kv": k_rope_kv, "k_attn": k_attn,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse}

@@ -100,6 +100,13 @@ class Kernel:
         else:  # a CUkernel (library API): its function in the current context
             self.func = check(drv.cuKernelGetFunction(handle), f"cuKernelGetFunction({name})")
 
+    def occupancy(self, block: int, shmem: int) -> int:
+        """Resident blocks per SM for this block size and dynamic shared memory."""
+        if SIM:
+            return 2
+        return int(check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, block, shmem),
+                         f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})"))
+
     def allow_dynamic_shared(self, nbytes: int) -> None:
         """Dynamic shared memory above 48 KiB must be opted into per function."""
         if SIM or nbytes <= self._max_dyn_shared:
