@@ -9,8 +9,18 @@ and the paths round differently, so a token's logits would change with the batch
 """
 from __future__ import annotations
 
-import numpy as np
-from numba import njit, prange
+import os
+
+# numba's OpenMP threading layer (libgomp) lets idle workers spin for up to 300,000 iterations. When
+# the cores are shared with other busy processes (the services of `make run`, tests, a CPU quota)
+# every parallel region then waits on a descheduled spinner: on 2 cores with 2 busy neighbours a
+# SmolLM2 decode step took 1.05-1.2 s with the default spin, 0.14 s with 10,000 (0.12 s on one thread).
+# On an idle machine the short spin is as fast as the long one (44-47 ms vs 44-53 ms per token).
+# It must be set before OpenMP starts; an explicit setting in the environment wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+import numpy as np  # noqa: E402
+from numba import njit, prange  # noqa: E402
 
 from .batch import StepBatch
 from .config import ModelConfig
@@ -19,6 +29,7 @@ from .weights import Weights, to_float32
 
 _ROW_BLOCK = 64  # rows of x per work item: with _COL_BLOCK weight rows, both stay in L2
 _COL_BLOCK = 64
+_KEY_BLOCK = 64  # keys per block in attention (a multiple of 4)
 
 
 @njit(fastmath=True, inline="always")
@@ -130,15 +141,17 @@ def paged_attention(q, k_cache, v_cache, slots, positions, block_tables, runs, o
             last[i] = positions[first + i // group]
             q_row[i] = (first + i // group) * nh + g * group + i % group
         scores = np.empty((nq, span), np.float32)
-        for i0 in range(0, nq, 4):
-            i = (i0, min(i0 + 1, nq - 1), min(i0 + 2, nq - 1), min(i0 + 3, nq - 1))
-            for t0 in range(0, span, 4):
-                t = (t0, min(t0 + 1, span - 1), min(t0 + 2, span - 1), min(t0 + 3, span - 1))
-                s = _dot4x4(q2, q_row[i[0]], q_row[i[1]], q_row[i[2]], q_row[i[3]],
-                            k2, kv_row[t[0]], kv_row[t[1]], kv_row[t[2]], kv_row[t[3]])
-                for a in range(4):
-                    for b in range(4):
-                        scores[i[a], t[b]] = s[4 * a + b] * scale
+        for t_block in range(0, span, _KEY_BLOCK):  # a block of keys stays in L1 for all query tiles
+            for i0 in range(0, nq, 4):
+                i = (i0, min(i0 + 1, nq - 1), min(i0 + 2, nq - 1), min(i0 + 3, nq - 1))
+                needed = max(max(last[i[0]], last[i[1]]), max(last[i[2]], last[i[3]]))  # causal
+                for t0 in range(t_block, min(t_block + _KEY_BLOCK, needed + 1), 4):
+                    t = (t0, min(t0 + 1, span - 1), min(t0 + 2, span - 1), min(t0 + 3, span - 1))
+                    s = _dot4x4(q2, q_row[i[0]], q_row[i[1]], q_row[i[2]], q_row[i[3]],
+                                k2, kv_row[t[0]], kv_row[t[1]], kv_row[t[2]], kv_row[t[3]])
+                    for a in range(4):
+                        for b in range(4):
+                            scores[i[a], t[b]] = s[4 * a + b] * scale
         total = np.empty(nq, np.float32)
         for i in range(nq):
             m = scores[i, : last[i] + 1].max()
@@ -148,11 +161,12 @@ def paged_attention(q, k_cache, v_cache, slots, positions, block_tables, runs, o
                 total[i] += scores[i, t]
         acc = np.zeros((nq, d), np.float32)
         for t in range(span):
+            row = kv_row[t]  # hoisted: the stores to acc could alias kv_row as far as LLVM knows
             for i in range(nq):
                 if t <= last[i]:
                     p = scores[i, t]
                     for e in range(d):
-                        acc[i, e] += p * v2[kv_row[t], e]
+                        acc[i, e] += p * v2[row, e]
         for i in range(nq):
             for e in range(d):
                 out[first + i // group, g * group + i % group, e] = acc[i, e] / total[i]
