@@ -129,6 +129,7 @@ def serve(settings: Settings | None = None) -> None:
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
     engine, info = build_engine(settings)
+    engine.on_step = STEP_SECONDS.observe
     engine.start()
     store = CatalogStore.from_url(settings.redis_url, settings.namespace)
     catalogs = CatalogManager(store, engine, settings.catalogs or None)

@@ -52,7 +52,7 @@ def stack(tmp_path_factory, small_tokenizer_dir, redis_url):
         time.sleep(0.05)
     set_serving(health, [SERVICE], True)
     channel = grpc.insecure_channel(addr)
-    yield {"stub": pb_grpc.DecoderServiceStub(channel), "addr": addr, "store": store, "tok": tok, "engine": engine,
+    yield {"stub": pb_grpc.DecoderServiceStub(channel), "addr": addr, "store": store, "servicer": servicer, "tok": tok, "engine": engine,
            "catalogs": catalogs}
     channel.close()
     server.stop(0)
@@ -214,3 +214,34 @@ def test_a_full_queue_is_resource_exhausted(stack):
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 0" in err.value.details()
     finally:
         engine.config = saved
+
+
+def test_an_explicit_older_version_is_served_on_demand(stack):
+    store, tok, stub = stack["store"], stack["tok"], stack["stub"]
+    old, _ = store.publish("ondemand", tries(stack["tok"], TOOLS[:8]))
+    new, _ = store.publish("ondemand", tries(tok, TOOLS[8:16]))
+    wait = time.monotonic() + 20
+    while stack["catalogs"].latest.get("ondemand") != new.version:
+        assert time.monotonic() < wait
+        time.sleep(0.05)
+    accepted, pointers, _ = discover(stub, catalog="ondemand", version=old.version, intent="x", k=2)
+    assert accepted.version == old.version and {p.name for p in pointers} <= {t["name"] for t in TOOLS[:8]}
+    accepted, pointers, _ = discover(stub, catalog="ondemand", intent="x", k=2)
+    assert accepted.version == new.version and {p.name for p in pointers} <= {t["name"] for t in TOOLS[8:16]}
+
+
+def test_draining_refuses_new_requests_as_unavailable(stack):
+    servicer = stack["servicer"]
+    servicer.draining = True
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
+    finally:
+        servicer.draining = False
+
+
+def test_reflection_lists_the_decoder(stack):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(stack["addr"])).get_services()
+    assert SERVICE in services and "grpc.health.v1.Health" in services

@@ -117,7 +117,10 @@ def test_health_serves_only_once_a_catalog_is_warm(stack):
     version, names = stack.discover("what's the weather in Paris", 3)
     assert len(set(names)) == 3 and set(names) <= {t["name"] for t in TOOLS[:30]}
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
-    assert "tooltrie_decoder_queue_depth" in metrics and 'tooltrie_discover_total{code="OK"}' in metrics
+    for name in ("tooltrie_decoder_queue_depth", 'tooltrie_discover_total{code="OK"}', "tooltrie_decoder_running_batch",
+                 "tooltrie_time_to_first_pointer_seconds_count", "tooltrie_decode_step_seconds_count",
+                 "tooltrie_decoder_kv_blocks_used", "tooltrie_catalog_versions_loaded", "tooltrie_catalog_swaps_total"):
+        assert name in metrics, name
 
 
 def run_clients(stack, threads, stop, answers, errors):

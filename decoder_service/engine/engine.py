@@ -75,6 +75,7 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.steps = 0
+        self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
     def load_catalog(self, trie: Trie) -> CatalogRuntime:
@@ -313,7 +314,10 @@ class DecodeEngine:
     def _loop(self) -> None:
         while self._running:
             try:
+                started = time.perf_counter()
                 worked = self.step()
+                if worked and self.on_step:
+                    self.on_step(time.perf_counter() - started)
             except Exception as e:  # noqa: BLE001 - a fault fails the running requests, not the engine
                 log.exception("engine step failed")
                 for seq in list(self.scheduler.running):
