@@ -292,10 +292,10 @@ def check_model(name, raw, out_rows, results, quick=False):
                "down + residual": "down"}.get(label)
         base = [ly[key] for ly in be.layers] if key else [be.l_dense]
         nbytes = kinds[label][1]
-        for threads in (128, 256, 512):
+        for threads in (128, 256):
             if gemv_k.occupancy(threads, base[0][0].shmem) < 1:
                 continue
-            for pf in (0, 1, 2):
+            for pf in (0, 1):
                 launches = []
                 for lz, _g in base:
                     args = list(lz.args)

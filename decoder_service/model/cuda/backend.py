@@ -59,7 +59,7 @@ class CudaBackend:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
-                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1):
+                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 0):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -74,13 +74,14 @@ class CudaBackend:
         self.dqkv = cfg.q_size + 2 * cfg.kv_size
         self.kp_h, self.kp_q, self.kp_i = _round8(H), _round8(cfg.q_size), _round8(I)
         self.prefetch = int(prefetch)            # 0 none, 1 L2, 2 L1 hint for a warp's first rows
+        self.gemv_threads = gemv_threads         # None: by matrix size (perf_log.md, run 2)
 
         # Launch geometry: fixed per model, never per batch (determinism by construction).
         if SIM:
             self.t_gemv, self.t_attn, self.t_small = 2 * WARP, 2 * WARP, 2 * WARP
             self.sm_count = 2
         else:
-            self.t_gemv, self.t_attn, self.t_small = gemv_threads or 256, 128, 128
+            self.t_gemv, self.t_attn, self.t_small = 256, 128, 128
             self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
@@ -182,11 +183,20 @@ class CudaBackend:
                 f"activations {act / 2**30:.2f}) but only {free / 2**30:.2f} of {total / 2**30:.2f} "
                 f"GiB are free")
 
-    def _gemv_grid(self, kernel: Kernel, n_out_rows: int, shmem: int) -> int:
+    def _gemv_threads(self, n_rows: int, kp: int) -> int:
+        """Threads per block of one matrix (fixed per matrix: its norm tree depends on it). Measured on
+        the H200 (run 2): 128 wins below ~12 MB (more blocks in flight), 256 above."""
+        if SIM:
+            return self.t_gemv
+        if self.gemv_threads:
+            return self.gemv_threads
+        return 128 if n_rows * kp * self.np_dtype.itemsize < 12e6 else 256
+
+    def _gemv_grid(self, kernel: Kernel, threads: int, n_out_rows: int, shmem: int) -> int:
         """Blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond)."""
-        nw = self.t_gemv // WARP
+        nw = threads // WARP
         need = -(-((n_out_rows + 1) // 2) // nw)
-        cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(self.t_gemv, shmem)))
+        cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(threads, shmem)))
         return max(1, min(need, cap))
 
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
@@ -198,10 +208,11 @@ class CudaBackend:
                 out, out_stride, mode, self.prefetch, epl]
         k1, k4 = self.kernels["k_gemv"], self.kernels["k_gemv4"]
         st = self.stream.handle
-        l1 = Launch(k1, self.t_gemv, kp * 4, args, st, name)
-        l4 = Launch(k4, self.t_gemv, 4 * kp * 4, args + [self.n_rows if name != "dense_head" else self.n_logit],
+        t = self._gemv_threads(N, kp)
+        l1 = Launch(k1, t, kp * 4, args, st, name)
+        l4 = Launch(k4, t, 4 * kp * 4, args + [self.n_rows if name != "dense_head" else self.n_logit],
                     st, name + "/4")
-        return (l1, self._gemv_grid(k1, N, kp * 4)), (l4, self._gemv_grid(k4, N, 4 * kp * 4))
+        return (l1, self._gemv_grid(k1, t, N, kp * 4)), (l4, self._gemv_grid(k4, t, N, 4 * kp * 4))
 
     def _build_launches(self) -> None:
         cfg, k, st = self.cfg, self.kernels, self.stream.handle

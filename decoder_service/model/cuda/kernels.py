@@ -494,6 +494,47 @@ def dot2x4(W, wa, wb, xs, Q, lane):
 
 
 @cuda.jit(device=True, inline="always")
+def qk8(s, qs, c, k):
+    """s + q[c:c+8] . k, in ascending order."""
+    s += qs[c] * k[0]
+    s += qs[c + 1] * k[1]
+    s += qs[c + 2] * k[2]
+    s += qs[c + 3] * k[3]
+    s += qs[c + 4] * k[4]
+    s += qs[c + 5] * k[5]
+    s += qs[c + 6] * k[6]
+    s += qs[c + 7] * k[7]
+    return s
+
+
+@cuda.jit(device=True, inline="always")
+def pv_tile(a, sh, wo, base_s, vc, d, cnt):
+    """a + sum_j w[j] * V[j][d] over the tile's positions j = 0..cnt-1 in ascending order, with four
+    V loads in flight (a missing block, base -1, contributes nothing and is never read)."""
+    j = 0
+    last = cnt - 1
+    while j < cnt:
+        b0 = base_s[j]
+        b1 = base_s[min(j + 1, last)]
+        b2 = base_s[min(j + 2, last)]
+        b3 = base_s[min(j + 3, last)]
+        v0 = ldf(vc, max(b0, 0) + d)
+        v1 = ldf(vc, max(b1, 0) + d)
+        v2 = ldf(vc, max(b2, 0) + d)
+        v3 = ldf(vc, max(b3, 0) + d)
+        if b0 >= 0:
+            a += sh[wo + j] * v0
+        if j + 1 < cnt and b1 >= 0:
+            a += sh[wo + j + 1] * v1
+        if j + 2 < cnt and b2 >= 0:
+            a += sh[wo + j + 2] * v2
+        if j + 3 < cnt and b3 >= 0:
+            a += sh[wo + j + 3] * v3
+        j += 4
+    return a
+
+
+@cuda.jit(device=True, inline="always")
 def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
     """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
     where the block table has no block there."""
@@ -718,16 +759,20 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
             base_s[tid] = kb
             if kb >= 0:
                 s = np.float32(0.0)
-                for c in range(0, hd, 8):
-                    k0, k1, k2, k3, k4, k5, k6, k7 = ld8(kc, kb + c)
-                    s += sh[c] * k0
-                    s += sh[c + 1] * k1
-                    s += sh[c + 2] * k2
-                    s += sh[c + 3] * k3
-                    s += sh[c + 4] * k4
-                    s += sh[c + 5] * k5
-                    s += sh[c + 6] * k6
-                    s += sh[c + 7] * k7
+                c = 0
+                while c < hd:                 # four 16-byte K loads in flight, summed in order
+                    k0 = ld8(kc, kb + c)
+                    k1 = ld8(kc, kb + min(c + 8, hd - 8))
+                    k2 = ld8(kc, kb + min(c + 16, hd - 8))
+                    k3 = ld8(kc, kb + min(c + 24, hd - 8))
+                    s = qk8(s, sh, c, k0)
+                    if c + 8 < hd:
+                        s = qk8(s, sh, c + 8, k1)
+                    if c + 16 < hd:
+                        s = qk8(s, sh, c + 16, k2)
+                    if c + 24 < hd:
+                        s = qk8(s, sh, c + 24, k3)
+                    c += 32
         tmax = block_max(s, red, tid, nw)
         m_new = max(m, tmax)
         e = np.float32(0.0)
@@ -739,19 +784,9 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
         l = l * alpha + tsum
         cnt = min(T, n_ctx - t0)
         if tid < hd:
-            a = acc0 * alpha
-            for j in range(cnt):
-                vb = base_s[j]
-                if vb >= 0:
-                    a += sh[hd + j] * ldf(vc, vb + tid)
-            acc0 = a
+            acc0 = pv_tile(acc0 * alpha, sh, hd, base_s, vc, tid, cnt)
         if d1 < hd:
-            a = acc1 * alpha
-            for j in range(cnt):
-                vb = base_s[j]
-                if vb >= 0:
-                    a += sh[hd + j] * ldf(vc, vb + d1)
-            acc1 = a
+            acc1 = pv_tile(acc1 * alpha, sh, hd, base_s, vc, d1, cnt)
         m = m_new
         cuda.syncthreads()
     ob = np.int64(r) * out_stride + h * hd
