@@ -1,0 +1,232 @@
+"""The trie-masked sampler on the GPU: two kernels around the model's sparse head, one block per row.
+
+  k_mask   reads the row's current node from the trie (constant memory when the row's catalog version
+           is the resident one, else the global trie arena), keeps the legal edges (sampler.py's rule)
+           in edge order and writes them as the row's candidates;
+  (the model's sparse head computes the candidates' logits)
+  k_select takes the argmax over the candidates' logits (fixed reduction tree, lower token id on a
+           tie), the log-softmax over them, and advances the row: node, emitted pointers, done.
+
+A packed trie is one int32 array: [nodes + 1, edges, node_edge_start..., edge_token..., edge_child...,
+edge_lo..., edge_hi...]. Constant memory holds one packed trie (64 KiB); `ConstantTrie.bind` rewrites
+it from the host (in stream order), and whoever replays a captured graph that reads it must bind
+first: graph replay replays kernels, not the host upload that filled the symbol.
+"""
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from shared.trie import SEP, STOP, Trie
+
+SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
+THREADS = 8 if SIM else 128
+CONST_WORDS = 16384                        # 64 KiB of int32
+CONST_TRIE = np.zeros(CONST_WORDS, np.int32)  # the kernel's constant-memory image (rewritten by bind)
+OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
+
+
+def pack_trie(trie: Trie) -> np.ndarray:
+    """The trie as one int32 array, the layout both trie paths read."""
+    return np.concatenate([np.asarray([trie.num_nodes + 1, trie.num_edges], np.int32), trie.node_edge_start,
+                           trie.edge_token, trie.edge_child, trie.edge_lo, trie.edge_hi]).astype(np.int32)
+
+
+def fits_constant_memory(packed: np.ndarray) -> bool:
+    return len(packed) <= CONST_WORDS
+
+
+@cuda.jit(device=True, inline="always")
+def _rd(cmem, arena, use_const, base, i):
+    if use_const:
+        return cmem[i]
+    return arena[base + i]
+
+
+@cuda.jit(device=True, inline="always")
+def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, r, allow, a0, alen):
+    E = _rd(cmem, arena, use_const, base, 1)
+    child = _rd(cmem, arena, use_const, base, tok_off + E + e)
+    if child == SEP and n_emitted + 1 >= k:
+        return False
+    if child == STOP and n_emitted + 1 != k:
+        return False
+    lo = _rd(cmem, arena, use_const, base, tok_off + 2 * E + e)
+    hi = _rd(cmem, arena, use_const, base, tok_off + 3 * E + e)
+    if alen < 0:
+        count = hi - lo
+    else:  # allowed ids in [lo, hi): two binary searches over the row's sorted allowlist
+        a, b = a0, a0 + alen
+        while a < b:
+            m = (a + b) // 2
+            if allow[m] < lo:
+                a = m + 1
+            else:
+                b = m
+        first = a
+        a, b = first, a0 + alen
+        while a < b:
+            m = (a + b) // 2
+            if allow[m] < hi:
+                a = m + 1
+            else:
+                b = m
+        count = a - first
+    for i in range(n_emitted):
+        p = emitted[r, i]
+        if lo <= p and p < hi:
+            count -= 1
+    return count > 0
+
+
+@cuda.jit(cache=not SIM)
+def k_mask(arena, row_base, row_const, node, emitted, n_emitted, k, allow, allow_start, allow_len,
+           cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status):
+    """One block per row: the row's legal edges, in edge order, as its candidates."""
+    cmem = cuda.const.array_like(CONST_TRIE)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    counts = cuda.shared.array(THREADS, numba.int32)
+    base, use_const = row_base[r], row_const[r]
+    n1 = _rd(cmem, arena, use_const, base, 0)
+    E = _rd(cmem, arena, use_const, base, 1)
+    tok_off = 2 + n1
+    nd = node[r]
+    e0 = _rd(cmem, arena, use_const, base, 2 + nd)
+    e1 = _rd(cmem, arena, use_const, base, 3 + nd)
+    chunk = (e1 - e0 + THREADS - 1) // THREADS
+    lo_e = e0 + tid * chunk
+    hi_e = min(lo_e + chunk, e1)
+    ne, kk, a0, alen = n_emitted[r], k[r], allow_start[r], allow_len[r]
+    c = 0
+    for e in range(lo_e, hi_e):
+        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, r, allow, a0, alen):
+            c += 1
+    counts[tid] = c
+    cuda.syncthreads()
+    if tid == 0:  # exclusive scan, serial over the block: a fixed order, so the candidates are too
+        total = 0
+        for t in range(THREADS):
+            v = counts[t]
+            counts[t] = total
+            total += v
+        ncand[r] = min(total, cmax)
+        status[r] = OK if 0 < total <= cmax else (EMPTY_MASK if total == 0 else TOO_MANY)
+    cuda.syncthreads()
+    out = counts[tid]
+    for e in range(lo_e, hi_e):
+        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, r, allow, a0, alen):
+            if out < cmax:
+                j = r * cmax + out
+                cand_token[j] = _rd(cmem, arena, use_const, base, tok_off + e)
+                cand_child[j] = _rd(cmem, arena, use_const, base, tok_off + E + e)
+                cand_lo[j] = _rd(cmem, arena, use_const, base, tok_off + 2 * E + e)
+                cand_edge[j] = e
+            out += 1
+
+
+@cuda.jit(device=True, inline="always")
+def _better(v, t, bv, bt):
+    """Is (v, token t) a better winner than (bv, bt)? Higher logit; the lower token id on a tie."""
+    return v > bv or (v == bv and t < bt)
+
+
+@cuda.jit(cache=not SIM)
+def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status, node,
+             emitted, n_emitted, done, out_token, out_edge, out_logprob):
+    """One block per row: masked argmax, log-softmax over the candidates, and the trie advance."""
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    bv = cuda.shared.array(THREADS, numba.float32)
+    bt = cuda.shared.array(THREADS, numba.int32)
+    bi = cuda.shared.array(THREADS, numba.int32)
+    sm = cuda.shared.array(THREADS, numba.float64)  # running max of the logits
+    ss = cuda.shared.array(THREADS, numba.float64)  # sum of exp(logit - running max)
+    n = ncand[r] if status[r] == OK else 0
+    v_best, t_best, i_best = -math.inf, 2147483647, -1
+    m, s = -math.inf, 0.0
+    for i in range(tid, n, THREADS):
+        v = logits[r * logit_stride + i]
+        t = cand_token[r * cmax + i]
+        if _better(v, t, v_best, t_best):
+            v_best, t_best, i_best = v, t, i
+        x = numba.float64(v)
+        if x > m:
+            s = s * math.exp(m - x) + 1.0
+            m = x
+        else:
+            s += math.exp(x - m)
+    bv[tid], bt[tid], bi[tid], sm[tid], ss[tid] = v_best, t_best, i_best, m, s
+    cuda.syncthreads()
+    stride = THREADS // 2
+    while stride > 0:  # a fixed tree: the same pairs combine whatever else is in the batch
+        if tid < stride:
+            o = tid + stride
+            if _better(bv[o], bt[o], bv[tid], bt[tid]):
+                bv[tid], bt[tid], bi[tid] = bv[o], bt[o], bi[o]
+            if ss[o] > 0.0:
+                if ss[tid] == 0.0:
+                    sm[tid], ss[tid] = sm[o], ss[o]
+                elif sm[o] > sm[tid]:
+                    ss[tid] = ss[tid] * math.exp(sm[tid] - sm[o]) + ss[o]
+                    sm[tid] = sm[o]
+                else:
+                    ss[tid] = ss[tid] + ss[o] * math.exp(sm[o] - sm[tid])
+        cuda.syncthreads()
+        stride //= 2
+    if tid == 0:
+        w = bi[0]
+        if w < 0:  # no candidate: k_mask's status says why; the row does not move
+            out_token[r] = -1
+            out_edge[r] = -1
+            return
+        j = r * cmax + w
+        child = cand_child[j]
+        out_token[r] = cand_token[j]
+        out_edge[r] = cand_edge[j]
+        out_logprob[r] = numba.float64(bv[0]) - (sm[0] + math.log(ss[0]))
+        if child == SEP or child == STOP:
+            emitted[r, n_emitted[r]] = cand_lo[j]
+            n_emitted[r] += 1
+            node[r] = 0
+            if child == STOP:
+                done[r] = 1
+        else:
+            node[r] = child
+
+
+class ConstantTrie:
+    """Residency of one catalog version in k_mask's constant memory, re-bound on every switch."""
+
+    def __init__(self):
+        self.owner = None
+        self._symbol = None
+
+    def _device_symbol(self):
+        """(device address, size) of k_mask's constant-memory image: numba-private, kept in one place."""
+        if self._symbol is None:
+            overload = next(iter(k_mask.overloads.values()))
+            module = overload._codelibrary.get_cufunc().module
+            self._symbol = module.get_global_symbol("_cudapy_cmem")
+        return self._symbol
+
+    def bind(self, owner, packed: np.ndarray, stream=0) -> None:
+        """Make packed (owned by `owner`, e.g. a catalog's (name, version)) the resident trie."""
+        if not fits_constant_memory(packed):
+            raise ValueError(f"a packed trie of {len(packed) * 4} bytes does not fit 64 KiB of constant memory")
+        if SIM:
+            CONST_TRIE[:len(packed)] = packed
+        else:
+            from cuda.bindings import driver
+            pointer, size = self._device_symbol()
+            host = np.zeros(CONST_WORDS, np.int32)
+            host[:len(packed)] = packed
+            handle = stream.handle.value if hasattr(stream, "handle") else stream
+            (err,) = driver.cuMemcpyHtoDAsync(pointer.device_ctypes_pointer.value, host.ctypes.data, size, handle)
+            if err != driver.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"binding the constant trie failed: {err}")
+            self._keepalive = host  # the copy is asynchronous: the source must outlive it
+        self.owner = owner
