@@ -153,23 +153,53 @@ def paged_attention(q, k_cache, v_cache, slots, positions, block_tables, runs, o
                         for b in range(4):
                             scores[i[a], t[b]] = s[4 * a + b] * scale
         total = np.empty(nq, np.float32)
+        exponent_bits = np.empty(span, np.int32)
         for i in range(nq):
-            m = scores[i, : last[i] + 1].max()
-            total[i] = 0
-            for t in range(last[i] + 1):
-                scores[i, t] = np.exp(scores[i, t] - m)
-                total[i] += scores[i, t]
+            row = scores[i, : last[i] + 1]
+            m = row.max()
+            for t in range(row.shape[0]):
+                row[t] -= m
+            _exp_nonpositive(row, exponent_bits)
+            total[i] = row.sum()
         acc = np.zeros((nq, d), np.float32)
-        for t in range(span):
-            row = kv_row[t]  # hoisted: the stores to acc could alias kv_row as far as LLVM knows
+        for t0 in range(0, span, 4):  # weighted values, four positions at a time, in ascending order
+            r0, r1 = kv_row[t0], kv_row[min(t0 + 1, span - 1)]
+            r2, r3 = kv_row[min(t0 + 2, span - 1)], kv_row[min(t0 + 3, span - 1)]
             for i in range(nq):
-                if t <= last[i]:
-                    p = scores[i, t]
+                if t0 <= last[i]:  # positions past the query's own weigh exactly 0
+                    p0 = scores[i, t0]
+                    p1 = scores[i, t0 + 1] if t0 + 1 <= last[i] else np.float32(0)
+                    p2 = scores[i, t0 + 2] if t0 + 2 <= last[i] else np.float32(0)
+                    p3 = scores[i, t0 + 3] if t0 + 3 <= last[i] else np.float32(0)
                     for e in range(d):
-                        acc[i, e] += p * v2[row, e]
+                        acc[i, e] += (p0 * v2[r0, e] + p1 * v2[r1, e]) + (p2 * v2[r2, e] + p3 * v2[r3, e])
         for i in range(nq):
             for e in range(d):
                 out[first + i // group, g * group + i % group, e] = acc[i, e] / total[i]
+
+
+@njit(fastmath=True, inline="always")
+def _exp_nonpositive(x, exponent_bits):
+    """x <- e**x in place, for float32 x <= 0 (relative error ~1e-7; below e**-87 it flushes to ~0).
+
+    Cephes' expf polynomial, in plain arithmetic so LLVM vectorizes it: np.exp is one libm call per
+    element, and softmax takes one exponential per (query, position), as many as multiply-adds / 128.
+    """
+    for t in range(x.shape[0]):
+        y = max(x[t], np.float32(-87.0))
+        k = np.floor(y * np.float32(1.44269504) + np.float32(0.5))  # e**y = 2**k * e**r, |r| <= ln2 / 2
+        r = y - k * np.float32(0.693359375) + k * np.float32(2.12194440e-4)
+        p = np.float32(1.9875691500e-4)
+        p = p * r + np.float32(1.3981999507e-3)
+        p = p * r + np.float32(8.3334519073e-3)
+        p = p * r + np.float32(4.1665795894e-2)
+        p = p * r + np.float32(1.6666665459e-1)
+        p = p * r + np.float32(5.0000001201e-1)
+        x[t] = p * r * r + r + np.float32(1)
+        exponent_bits[t] = (np.int32(k) + np.int32(127)) << np.int32(23)  # the float32 2**k
+    two_k = exponent_bits[: x.shape[0]].view(np.float32)
+    for t in range(x.shape[0]):
+        x[t] *= two_k[t]
 
 
 def sequence_runs(slots: np.ndarray, max_rows: int = 32) -> np.ndarray:
