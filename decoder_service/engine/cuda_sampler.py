@@ -18,7 +18,9 @@ import math
 
 import numba
 import numpy as np
-from numba import cuda
+
+from decoder_service.model.cuda import compat  # noqa: F401 - numpy 2.5 fix before any kernel compiles
+from numba import cuda  # noqa: E402
 
 from shared.trie import SEP, STOP, Trie
 
@@ -27,6 +29,8 @@ THREADS = 8 if SIM else 128
 CONST_WORDS = 16384                        # 64 KiB of int32
 CONST_TRIE = np.zeros(CONST_WORDS, np.int32)  # the kernel's constant-memory image (rewritten by bind)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
+_I1, _I2 = numba.int32[::1], numba.int32[:, ::1]
+MASK_SIGNATURE = (_I1,) * 4 + (_I2,) + (_I1,) * 10 + (numba.int64, _I1)
 
 
 def pack_trie(trie: Trie) -> np.ndarray:
@@ -208,6 +212,8 @@ class ConstantTrie:
     def _device_symbol(self):
         """(device address, size) of k_mask's constant-memory image: numba-private, kept in one place."""
         if self._symbol is None:
+            if not k_mask.overloads:
+                k_mask.compile(MASK_SIGNATURE)
             overload = next(iter(k_mask.overloads.values()))
             module = overload._codelibrary.get_cufunc().module
             self._symbol = module.get_global_symbol("_cudapy_cmem")
@@ -222,10 +228,12 @@ class ConstantTrie:
         else:
             from cuda.bindings import driver
             pointer, size = self._device_symbol()
-            host = np.zeros(CONST_WORDS, np.int32)
+            host = cuda.pinned_array(CONST_WORDS, np.int32)
+            host[:] = 0
             host[:len(packed)] = packed
-            handle = stream.handle.value if hasattr(stream, "handle") else stream
-            (err,) = driver.cuMemcpyHtoDAsync(pointer.device_ctypes_pointer.value, host.ctypes.data, size, handle)
+            handle = int(stream.handle.value) if hasattr(stream, "handle") else int(stream)
+            (err,) = driver.cuMemcpyHtoDAsync(int(pointer.device_ctypes_pointer.value), host.ctypes.data, size,
+                                              driver.CUstream(handle))
             if err != driver.CUresult.CUDA_SUCCESS:
                 raise RuntimeError(f"binding the constant trie failed: {err}")
             self._keepalive = host  # the copy is asynchronous: the source must outlive it
