@@ -6,11 +6,13 @@ It is trained here on the shared catalogs' names, so it behaves like a real byte
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+# ../shared/data beside the checkout; TOOLTRIE_SHARED_DATA points elsewhere (the GPU machine gets a copy)
+SHARED_DATA = Path(os.environ.get("TOOLTRIE_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 CHATML_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
                    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
