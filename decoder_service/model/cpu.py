@@ -1,7 +1,7 @@
 """The CPU backend: the forward step in float32 with numba njit kernels.
 
 Determinism by construction, as on the GPU: every output element of a matrix product is computed by
-the same compiled loop (a fixed 4x4 register tile, K reduced in one fixed order), and attention reduces
+the same compiled loop (a fixed 4x4 register tile, K reduced in one fixed order), and attention visits
 each row's positions in ascending order, so a row's result never depends on which rows share its batch.
 This is why the matrix products are not numpy BLAS: OpenBLAS takes a different code path by matrix size
 (gemv for one row, a "small matrix" kernel below about 1e6 multiply-adds, the blocked kernel above),
@@ -117,8 +117,9 @@ def paged_attention(q, k_cache, v_cache, slots, positions, block_tables, runs, o
     q [R, nh, d]; caches [num_blocks, block_size, n_kv, d]; out [R, nh, d]. `runs` splits the rows
     into runs of consecutive rows of one sequence (runs[i]..runs[i+1]); one work item is a run and a
     KV head, whose query vectors (rows x the heads of the group) share every key and value they load.
-    Each query vector's scores, softmax and weighted sum visit positions 0..its own position in
-    ascending order, the same way alone or in any run.
+    A query vector's arithmetic depends only on itself and its positions 0..p, never on its run: scores
+    through the shared 4x4 dot kernel, the softmax sum over exactly p + 1 terms, the values weighted in
+    ascending groups of four positions fixed from position 0 (positions past p weigh exactly 0).
     """
     R, nh, d = q.shape
     bs, nkv = k_cache.shape[1], k_cache.shape[2]
@@ -228,9 +229,9 @@ class CpuBackend:
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec):
         self.cfg = cfg
         f32 = lambda a: None if a is None else np.ascontiguousarray(to_float32(a, weights.dtype))  # noqa: E731
-        self.w = {name: f32(a) for name, a in vars(weights).items() if name not in ("dtype", "source_dtype")}
-        if weights.lm_head is weights.embed:
-            self.w["lm_head"] = self.w["embed"]
+        self.w = {name: f32(a) for name, a in vars(weights).items()
+                  if name not in ("dtype", "source_dtype", "lm_head")}
+        self.w["lm_head"] = self.w["embed"] if weights.lm_head is weights.embed else f32(weights.lm_head)
         self.pool = HostKVPool.allocate(cfg, kv_spec, np.float32)
         d = cfg.head_dim
         self.inv_freq = cfg.rope_theta ** (-np.arange(0, d, 2, dtype=np.float64) / d)
