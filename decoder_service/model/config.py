@@ -123,7 +123,7 @@ class ModelConfig:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            torch_dtype=str(raw.get("torch_dtype", "float32")),
+            torch_dtype=str(raw.get("torch_dtype") or raw.get("dtype") or "float32"),  # newer HF: "dtype"
             bos_token_id=raw.get("bos_token_id"),
             eos_token_id=eos[0] if isinstance(eos, list) else eos,
         )
