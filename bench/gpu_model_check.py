@@ -139,7 +139,7 @@ def copy_bandwidth(nbytes=2 << 30):
 
 
 # ------------------------------------------------------------------------------------- per model
-def check_model(name, raw, out_rows, results, quick=False):
+def check_model(name, raw, out_rows, results, quick=False, quick_long=False, sweep=True):
     from decoder_service.model.cuda.backend import CudaBackend
     from decoder_service.model.cuda.kernels import WARP
     from decoder_service.model.cuda.launcher import Launch, check, dptr
@@ -286,8 +286,8 @@ def check_model(name, raw, out_rows, results, quick=False):
     # ---- GEMV variants: threads per block x cache hint for a warp's first rows (0 none, 1 L2, 2 L1)
     variants = []
     gemv_k = be.kernels["k_gemv"]
-    for label in ("qkv (norm+GEMV)", "o_proj + residual", "gate_up + SwiGLU", "down + residual",
-                  "dense head (final-normed h)"):
+    for label in (("qkv (norm+GEMV)", "o_proj + residual", "gate_up + SwiGLU", "down + residual",
+                   "dense head (final-normed h)") if sweep else ()):
         key = {"qkv (norm+GEMV)": "qkv", "o_proj + residual": "o", "gate_up + SwiGLU": "gate_up",
                "down + residual": "down"}.get(label)
         base = [ly[key] for ly in be.layers] if key else [be.l_dense]
@@ -360,6 +360,8 @@ def check_model(name, raw, out_rows, results, quick=False):
         ms, _ = tm.graph_ms(lambda R=R: (be.launch_forward(R, R), be.launch_dense(R)), reps=10)
         step[f"graph_dense_batch{R}_us"] = ms * 1e3
     res["step"] = step
+    if not quick_long:
+        res["long"] = long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=(name == "smollm2-135m"))
     log(f"  step (batch 1, ctx {ctx}): graph+sparse {step['graph_sparse_us']:.0f} us "
         f"({step['graph_sparse_nodes']} nodes), graph+dense {step['graph_dense_us']:.0f} us, raw "
         f"cuLaunchKernel loop {step['raw_launch_sparse_us']:.0f} us/step "
@@ -367,6 +369,62 @@ def check_model(name, raw, out_rows, results, quick=False):
     results[name] = res
     del be
     return res
+
+
+def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_prompt=1023):
+    """A 1023-token prompt prefilled in chunks of 256 rows, then attention and a decode at ctx 1024."""
+    from decoder_service.model.cuda.launcher import Launch, event_ms, new_event
+    out = {}
+    V = cfg.vocab_size
+    slot_tab = np.full((1, 64), -1, np.int32)
+    slot_tab[0] = np.arange(192, 256, dtype=np.int32)[::-1]        # blocks 192..255, reversed
+    prompt = rng.integers(3, V, n_prompt).tolist()
+    chunks = [StepBatch.from_chunks([(0, prompt[i:i + 256], i)], slot_tab) for i in range(0, n_prompt, 256)]
+    be.synchronize()
+    e0, e1 = new_event(True), new_event(True)
+    be.stream.record(e0)
+    for c in chunks:
+        be.forward(c)
+    be.stream.record(e1)
+    be.synchronize()
+    ms = event_ms(e0, e1)
+    out["prefill_ms"], out["prefill_tok_s"] = ms, n_prompt / (ms * 1e-3)
+    dec = StepBatch.from_chunks([(0, [int(rng.integers(3, V))], n_prompt)], slot_tab)
+    if with_ref:
+        ref = ReferenceModel(cfg, w, spec)
+        t = time.time()
+        for c in chunks:
+            ref.forward(c)
+        ref.forward(dec)
+        be.forward(dec)
+        lg, lr = be.dense_logits(), ref.dense_logits()
+        out["ref_rel"], out["ref_argmax_same"] = rel(lg, lr), bool(lg.argmax() == lr.argmax())
+        log(f"  ctx 1024 decode vs float64 reference: rel {out['ref_rel']:.2e}, same argmax "
+            f"{out['ref_argmax_same']} (ref {time.time() - t:.0f} s)")
+        del ref
+    be.stage(dec)
+    be.synchronize()
+    nh = cfg.num_heads
+    for label, maxs in (("split", None), ("one block per head (no split)", 1)):
+        calls = []
+        for ly in be.layers:
+            lz = ly["attn"]
+            if maxs is not None:
+                args = list(lz.args)
+                args[-1] = maxs
+                lz = Launch(lz.kernel, lz.block, lz.shmem, args, be.stream.handle, lz.name)
+            gz = be.attn_splits(n_prompt + 1) if maxs is None else 1
+            calls.append(lambda lz=lz, gz=gz: lz.launch(1, nh, gz))
+        msk, _ = tm.graph_ms(lambda: (flush(), [c() for c in calls]))
+        out[f"attn_ctx1024_us ({label})"] = (msk - t_flush) * 1e3 / len(calls)
+    ms, nodes = tm.graph_ms(lambda: (be.launch_forward(1, 1), be.launch_sparse(1)), reps=20)
+    out["step_ctx1024_graph_sparse_us"] = ms * 1e3
+    log(f"  long context: prefill {n_prompt} tokens in 256-row chunks {out['prefill_ms']:.1f} ms "
+        f"({out['prefill_tok_s']:.0f} tok/s); attention/layer at ctx 1024: split "
+        f"{out['attn_ctx1024_us (split)']:.1f} us vs unsplit "
+        f"{out['attn_ctx1024_us (one block per head (no split))']:.1f} us; decode step at ctx 1024 "
+        f"(graph, sparse head) {out['step_ctx1024_graph_sparse_us']:.0f} us")
+    return out
 
 
 def cache_probe(storage="bfloat16"):
@@ -391,6 +449,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/out"))
     ap.add_argument("--models", default="smollm2-135m,qwen3-1.7b")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -410,7 +469,7 @@ def main():
         log(f"device-to-device cuMemcpy: {bw:.0f} GB/s (2 GiB, {ms:.2f} ms, read+write)")
         for name in args.models.split(","):
             try:
-                check_model(name, MODELS[name], None, results, args.quick)
+                check_model(name, MODELS[name], None, results, args.quick, sweep=not args.no_sweep)
             except Exception as e:  # keep going: the other model's numbers still come back
                 import traceback
                 log(f"{name}: FAILED {e!r}\n{traceback.format_exc()}")
@@ -470,6 +529,17 @@ def render(r) -> str:
                   f"batch 8 {s['graph_dense_batch8_us']:.0f} µs, batch 32 {s['graph_dense_batch32_us']:.0f} µs",
                   f"- init (upload + kernels): {m['init_s']:.1f} s; kernels: "
                   + ", ".join(f"{n} {v['regs']} regs/{v['local']} B local" for n, v in m["kernels"].items()), ""]
+        lc = m.get("long")
+        if lc:
+            lines += ["Long context (1023-token prompt, then batch-1 decode at ctx 1024):", "",
+                      f"- prefill in 256-row chunks: {lc['prefill_ms']:.1f} ms ({lc['prefill_tok_s']:.0f} tokens/s)",
+                      f"- attention per layer at ctx 1024: split {lc['attn_ctx1024_us (split)']:.1f} µs, "
+                      f"one block per head {lc['attn_ctx1024_us (one block per head (no split))']:.1f} µs",
+                      f"- decode step at ctx 1024 (graph, sparse head): {lc['step_ctx1024_graph_sparse_us']:.0f} µs"]
+            if "ref_rel" in lc:
+                lines.append(f"- decode at ctx 1024 vs float64 reference: rel err {lc['ref_rel']:.2e}, "
+                             f"same argmax {lc['ref_argmax_same']}")
+            lines.append("")
     cp = r.get("cache_probe")
     if cp:
         lines += [f"Fresh process loading the 6 kernels from numba's disk cache: {cp}", ""]

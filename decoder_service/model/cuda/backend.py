@@ -32,7 +32,7 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import SIM, WARP
+from .kernels import MAX_SPLITS, SIM, WARP
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -143,6 +143,11 @@ class CudaBackend:
         self.cand = self.cand_ints[0:N * C]
         self.ncand = self.cand_ints[N * C:N * C + N]
         self.sparse = cuda.device_array(N * C, np.float32)
+        # attention context splits: partials (max, sum, acc[hd]) and a done-counter per (row, head)
+        self.attn_part = cuda.device_array(R * nh * MAX_SPLITS * (hd + 2), np.float32)
+        self.attn_count = cuda.device_array(R * nh, np.int32)
+        s.memset0(self.attn_count)
+        self._max_ctx = 1
         # Host staging: pinned on a device (async, capturable copies); a ring of two so a step's
         # inputs can be written while the previous step's copy may still be queued.
         pin = np.zeros if SIM else cuda.pinned_array
@@ -245,7 +250,8 @@ class CudaBackend:
             layer["attn"] = Launch(k["k_attn"], self.t_attn, (hd + self.t_attn) * 4,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                    nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq], st, f"attn[{l}]")
+                                    nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq, self.attn_part,
+                                    self.attn_count, MAX_SPLITS], st, f"attn[{l}]")
             layer["o"], layer["o/4"] = self._gemv_pair(
                 f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H, self.b_qkv, 0, self.x, kh, 1)
             layer["gate_up"], layer["gate_up/4"] = self._gemv_pair(
@@ -288,15 +294,23 @@ class CudaBackend:
         self.stream.h2d(self.ints, h, self._o_tab + S * mb)
         self.stream.record(self._ring_ev[i])
         self.table_stride.value = mb
+        self._max_ctx = int(batch.positions.max()) + 1
 
     def set_table_stride(self, mb: int) -> None:
         """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
         self.table_stride.value = int(mb)
 
-    def launch_forward(self, R: int, N: int) -> None:
+    def attn_splits(self, max_ctx: int) -> int:
+        """Attention grid depth for contexts up to max_ctx (a row uses only the splits it needs)."""
+        return max(1, min(-(-int(max_ctx) // self.t_attn), MAX_SPLITS))
+
+    def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
-        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element)."""
+        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element). max_ctx bounds
+        every row's position + 1 (default: the last staged batch's); a graph captured for a bound
+        serves every batch within it."""
         nq, nh = self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_heads
+        gz = self.attn_splits(self._max_ctx if max_ctx is None else max_ctx)
         if R == 1:
             keys, gy = ("qkv", "o", "gate_up", "down"), 1
         else:
@@ -308,7 +322,7 @@ class CudaBackend:
             lz, gx = layer[kq]
             lz.launch(gx, gy)
             layer["rope"].launch(R, nq)
-            layer["attn"].launch(R, nh)
+            layer["attn"].launch(R, nh, gz)
             lz, gx = layer[ko]
             lz.launch(gx, gy)
             lz, gx = layer[kg]

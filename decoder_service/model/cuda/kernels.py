@@ -29,11 +29,12 @@ from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda com
 
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32, int64 as nb_i64  # noqa: E402
+from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E402
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
 MAX_TILE = 256          # attention tile (= its block size) upper bound; static shared array size
+MAX_SPLITS = 16         # attention: at most this many context splits per (row, head)
 
 if SIM:  # ------------------------------------------------------------------ simulator twins
     import threading
@@ -95,6 +96,10 @@ if SIM:  # ------------------------------------------------------------------ si
 
     def prefetch_l2(arr, i):
         """No-op in the simulator (a cache hint on the GPU)."""
+
+    def ld_l2(arr, i):
+        """A load that bypasses L1 on the GPU (data written by other blocks of the same launch)."""
+        return arr[i]
 
     def prefetch_l1(arr, i):
         """No-op in the simulator (a cache hint on the GPU)."""
@@ -229,6 +234,23 @@ else:  # -----------------------------------------------------------------------
 
     prefetch_l2 = _prefetch("L2")
     prefetch_l1 = _prefetch("L1")
+
+    @intrinsic
+    def ld_l2(typingctx, arr, i):
+        """ld.global.cg of a float32: cached in L2 only, so data other blocks of this launch wrote
+        (before their threadfence) is never read stale from this SM's L1."""
+        if not isinstance(arr, nbt.Array) or arr.dtype != nbt.float32:
+            return None
+        sig = nbt.float32(arr, i)
+
+        def codegen(context, builder, sig, args):
+            aty, ity = sig.args
+            addr = builder.ptrtoint(_elem_ptr(context, builder, aty, args[0], args[1], ity), _I64)
+            asm = ir.InlineAsm(ir.FunctionType(_F32, [_I64]), "ld.global.cg.f32 $0, [$1];", "=f,l",
+                               side_effect=True)
+            return builder.call(asm, [addr])
+
+        return sig, codegen
 
     @cuda.jit(device=True, inline="always")
     def warp_sum(v):
@@ -722,25 +744,39 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
 
 @cuda.jit(cache=True)
 def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
-           out, out_stride):
-    """Causal GQA attention of one (row, q head) per block over the paged pool, positions 0..pos.
+           out, out_stride, part, counters, maxs):
+    """Causal GQA attention over the paged pool, positions 0..pos: one block per (row, q head, split).
 
-    Tiles of T positions in ascending order with an online softmax: thread t scores position t of the
-    tile (a full head_dim dot, ascending); tile max and sum are fixed block trees; thread d accumulates
-    output dims d and d+T over the tile's positions in ascending order. T is fixed per model, so a
-    row's result never depends on the batch. Dynamic shared: hd + T floats. Grid (R, nh).
+    A row's context is cut into ns <= maxs splits of whole T-position tiles, a function of that row's
+    context length alone (never of the batch). In a split, tiles run in ascending order with an online
+    softmax: thread t scores position t of the tile (head_dim dot, ascending); tile max and sum are
+    fixed block trees; thread d accumulates dims d and d+T over the tile's positions in ascending
+    order. One split writes the output directly. With several, each writes (max, sum, acc) partials;
+    the block that finishes last (a counter per row and head) merges them in ascending split order,
+    so whichever block that is, the arithmetic is the same. Dynamic shared: hd + T floats.
+    Grid (R, nh, max splits over the batch); blocks beyond their row's ns return at once.
     """
     sh = cuda.shared.array(0, nb_f32)
     base_s = cuda.shared.array(MAX_TILE, nb_i64)
     red = cuda.shared.array(32, nb_f32)
+    flag = cuda.shared.array(1, nb_i32)
     r = cuda.blockIdx.x
     h = cuda.blockIdx.y
+    sp = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
     nw = T // WARP
+    n_ctx = positions[r] + 1
+    ntiles = (n_ctx + T - 1) // T
+    ns = min(ntiles, maxs)
+    tps = (ntiles + ns - 1) // ns
+    ns = (ntiles + tps - 1) // tps
+    if sp >= ns:
+        return
+    p_begin = sp * tps * T
+    p_end = min(p_begin + tps * T, n_ctx)
     kvh = h // group
     slot = slots[r]
-    n_ctx = positions[r] + 1
     rowlen = np.int64(nkv) * hd
     qb = np.int64(r) * qkv_stride + h * hd
     for d in range(tid, hd, T):
@@ -751,10 +787,10 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
     acc0 = np.float32(0.0)
     acc1 = np.float32(0.0)
     d1 = tid + T
-    for t0 in range(0, n_ctx, T):
+    for t0 in range(p_begin, p_end, T):
         p = t0 + tid
         s = np.float32(-math.inf)
-        if p < n_ctx:
+        if p < p_end:
             kb = kv_base(bt, mb, slot, p, bs, layer_off, rowlen, kvh, hd)
             base_s[tid] = kb
             if kb >= 0:
@@ -776,13 +812,13 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
         tmax = block_max(s, red, tid, nw)
         m_new = max(m, tmax)
         e = np.float32(0.0)
-        if p < n_ctx and s > np.float32(-math.inf):
+        if p < p_end and s > np.float32(-math.inf):
             e = math.exp(s - m_new)
         sh[hd + tid] = e
         tsum = block_sum(e, red, tid, nw)
         alpha = math.exp(m - m_new)
         l = l * alpha + tsum
-        cnt = min(T, n_ctx - t0)
+        cnt = min(T, p_end - t0)
         if tid < hd:
             acc0 = pv_tile(acc0 * alpha, sh, hd, base_s, vc, tid, cnt)
         if d1 < hd:
@@ -790,10 +826,45 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
         m = m_new
         cuda.syncthreads()
     ob = np.int64(r) * out_stride + h * hd
+    if ns == 1:
+        if tid < hd:
+            out[ob + tid] = acc0 / l
+        if d1 < hd:
+            out[ob + d1] = acc1 / l
+        return
+    rh = np.int64(r) * cuda.gridDim.y + h
+    stride = hd + 2
+    pb = (rh * maxs + sp) * stride
+    if tid == 0:
+        part[pb] = m
+        part[pb + 1] = l
     if tid < hd:
-        out[ob + tid] = acc0 / l
+        part[pb + 2 + tid] = acc0
     if d1 < hd:
-        out[ob + d1] = acc1 / l
+        part[pb + 2 + d1] = acc1
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        ticket = cuda.atomic.add(counters, rh, 1)
+        flag[0] = 1 if ticket == ns - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    rb = rh * maxs * stride                   # the last block merges splits 0..ns-1 in order
+    M = np.float32(-math.inf)
+    for k in range(ns):
+        M = max(M, ld_l2(part, rb + k * stride))
+    L = np.float32(0.0)
+    for k in range(ns):
+        L += ld_l2(part, rb + k * stride + 1) * math.exp(ld_l2(part, rb + k * stride) - M)
+    for d in range(tid, hd, T):
+        o = np.float32(0.0)
+        for k in range(ns):
+            o += ld_l2(part, rb + k * stride + 2 + d) * math.exp(ld_l2(part, rb + k * stride) - M)
+        out[ob + d] = o / L
+    if tid == 0:
+        counters[rh] = 0
 
 
 @cuda.jit(cache=True)
@@ -876,7 +947,8 @@ def signatures(storage: str) -> dict:
         "k_gemv4": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
                       i32, t.float32),
-        "k_attn": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32),
+        "k_attn": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32, f32, ai,
+                   i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
     }

@@ -155,15 +155,15 @@ class Launch:
         self._ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         self._addr = ctypes.addressof(self._ptrs)
 
-    def launch(self, gx: int, gy: int = 1) -> None:
+    def launch(self, gx: int, gy: int = 1, gz: int = 1) -> None:
         if SIM:
             args = [a.value if isinstance(a, Scalar) else a for a in self.args]
-            self.kernel.dispatcher[(gx, gy), self.block, 0, self.shmem](*args)
+            self.kernel.dispatcher[(gx, gy, gz), self.block, 0, self.shmem](*args)
             return
-        err, = drv.cuLaunchKernel(self.kernel.func, gx, gy, 1, self.block, 1, 1, self.shmem,
+        err, = drv.cuLaunchKernel(self.kernel.func, gx, gy, gz, self.block, 1, 1, self.shmem,
                                   self.stream, self._addr, 0)
         if err != _OK:
-            check((err,), f"cuLaunchKernel({self.name}, grid=({gx},{gy}), block={self.block})")
+            check((err,), f"cuLaunchKernel({self.name}, grid=({gx},{gy},{gz}), block={self.block})")
 
 
 class Stream:
