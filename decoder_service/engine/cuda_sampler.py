@@ -27,7 +27,10 @@ from shared.trie import SEP, STOP, Trie
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 THREADS = 8 if SIM else 128
 CONST_WORDS = 16384                        # 64 KiB of int32
-CONST_TRIE = np.zeros(CONST_WORDS, np.int32)  # the kernel's constant-memory image (rewritten by bind)
+# The kernel's constant-memory image, rewritten by ConstantTrie.bind. Its initial content is never read,
+# but it must not be uniform: a load from a constant array that is all zeros is folded to 0 by the
+# compiler, whatever the index, and the rebinding would be silently ignored (seen on the H200).
+CONST_TRIE = np.arange(CONST_WORDS, dtype=np.int32)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
 _I1, _I2 = numba.int32[::1], numba.int32[:, ::1]
 MASK_SIGNATURE = (_I1,) * 4 + (_I2,) + (_I1,) * 10 + (numba.int64, _I1)
@@ -45,8 +48,10 @@ def fits_constant_memory(packed: np.ndarray) -> bool:
 
 @cuda.jit(device=True, inline="always")
 def _rd(cmem, arena, use_const, base, i):
+    """Word i of the row's packed trie. A resident trie starts at word 0 of constant memory and its
+    rows carry base 0: indexing with the runtime base keeps the compiler from folding the load."""
     if use_const:
-        return cmem[i]
+        return cmem[base + i]
     return arena[base + i]
 
 
