@@ -37,6 +37,7 @@ from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, ne
 
 from numba import cuda  # noqa: E402
 import ctypes  # noqa: E402
+import threading  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 
@@ -160,6 +161,7 @@ class CudaBackend:
         self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step (4-row GEMV tiles)
         self.n_logit = Scalar(ctypes.c_int32, 1)       # logit rows of this step (dense head tiles)
         self._R = self._N = 0
+        self._threads = {threading.get_ident()}
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
@@ -272,11 +274,22 @@ class CudaBackend:
                          max(1, -(-self.max_candidates // (2 * nwc))))
 
     # ------------------------------------------------------------------------- device-level entries
+    def _ensure_context(self) -> None:
+        """The raw driver calls need the device's context current in the calling thread; numba makes
+        it current in the thread that built the backend. Other threads (an engine's worker) get it
+        here, once per thread."""
+        tid = threading.get_ident()
+        if tid not in self._threads:
+            if not SIM:
+                cuda.current_context()
+            self._threads.add(tid)
+
     def launches_per_step(self) -> int:
         return 2 + 6 * self.cfg.num_layers
 
     def stage(self, batch: StepBatch) -> None:
         """Copy a validated batch's inputs into the device input buffers (asynchronous)."""
+        self._ensure_context()
         R, N = batch.num_rows, len(batch.logit_rows)
         S, mb = batch.block_tables.shape
         if R > self.max_rows or N > self.max_logit_rows or S * mb > self.max_table:
@@ -359,6 +372,7 @@ class CudaBackend:
 
     def capture(self, fn) -> Graph:
         """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream."""
+        self._ensure_context()
         return Graph(self.stream, fn)
 
     def synchronize(self) -> None:
@@ -366,12 +380,14 @@ class CudaBackend:
 
     # ------------------------------------------------------------------------------ host interface
     def forward(self, batch: StepBatch) -> None:
+        self._ensure_context()
         batch.validate(self.spec.block_size, self.spec.num_blocks, self.cfg.vocab_size)
         self.stage(batch)
         self._R, self._N = batch.num_rows, len(batch.logit_rows)
         self.launch_forward(self._R, self._N)
 
     def dense_logits(self) -> np.ndarray:
+        self._ensure_context()
         N, V = self._N, self.cfg.vocab_size
         self.launch_dense(N)
         self.stream.d2h(self._out_host, self.logits, N * V)
@@ -379,6 +395,7 @@ class CudaBackend:
         return self._out_host[: N * V].reshape(N, V).copy()
 
     def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
+        self._ensure_context()
         cand = np.ascontiguousarray(cand, np.int32)
         n = np.ascontiguousarray(n, np.int32)
         N, C = cand.shape
