@@ -1,0 +1,169 @@
+"""Constrained (sparse head + trie sampler) against unconstrained (dense head) decode steps.
+
+    python3 bench/constrained_step.py --backend cuda     (H200: random bf16 weights at the real shapes)
+    .venv/bin/python -m bench.constrained_step --backend cpu   (SmolLM2 shape only: Qwen3 is too slow here)
+
+Each of B rows decodes one token at position CTX - 1 of its own sequence (paged KV, one block table
+per row), over the MetaTool trie compiled with SmolLM2's tokenizer, every row at the trie's root (its
+widest node: the worst case for the mask and the sparse head).
+- unconstrained: forward + dense head (logits for the whole vocabulary; the argmax is not included,
+  which favours this side);
+- constrained: forward + k_mask (legal edges -> candidates) + sparse head + k_select (argmax,
+  log-softmax, trie advance), everything on the device.
+On cuda each side is one captured CUDA graph and the figure is the median of replays timed with CUDA
+events; on cpu it is the median wall time of the host path (forward + dense_logits vs forward + host
+sampler + sparse_logits).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT)]
+
+from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
+from compiler_service.compiler import compile_catalog  # noqa: E402
+from decoder_service.model.batch import StepBatch  # noqa: E402
+from decoder_service.model.config import ModelConfig  # noqa: E402
+from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
+from shared.catalog import parse_registry  # noqa: E402
+from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
+from shared.tokenizer import ModelTokenizer  # noqa: E402
+
+CTX = 1024
+BLOCK = 16
+
+
+def decode_batch(rows: int) -> StepBatch:
+    per_seq = CTX // BLOCK
+    tables = np.arange(rows * per_seq, dtype=np.int32).reshape(rows, per_seq)
+    return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.arange(rows, dtype=np.int32),
+                     positions=np.full(rows, CTX - 1, np.int32), block_tables=tables,
+                     logit_rows=np.arange(rows, dtype=np.int32))
+
+
+def cuda_sides(be, trie, rows):
+    """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
+    from numba import cuda
+
+    from decoder_service.engine import cuda_sampler as cs
+    batch = decode_batch(rows)
+    be.stage(batch)
+    packed = cs.pack_trie(trie)
+    cs.ConstantTrie().bind(("metatool", 1), packed, stream=be.stream.numba)
+    i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    state = {"arena": i32(packed), "base": i32(np.zeros(rows)), "const": i32(np.ones(rows)),
+             "node": i32(np.zeros(rows)), "emitted": cuda.to_device(np.full((rows, 4), -1, np.int32)),
+             "n_emitted": i32(np.zeros(rows)), "k": i32(np.full(rows, 3)), "allow": i32(np.zeros(1)),
+             "allow_start": i32(np.zeros(rows)), "allow_len": i32(np.full(rows, -1)),
+             "child": i32(np.zeros(rows * be.max_candidates)), "lo": i32(np.zeros(rows * be.max_candidates)),
+             "edge": i32(np.zeros(rows * be.max_candidates)), "status": i32(np.zeros(rows)),
+             "done": i32(np.zeros(rows)), "tok": i32(np.zeros(rows)), "wedge": i32(np.zeros(rows)),
+             "lp": cuda.to_device(np.zeros(rows))}
+    s, st, cm = state, be.stream.numba, be.max_candidates
+
+    def constrained():
+        be.stream.memset0(s["node"])  # every replay starts at the root: the widest node
+        be.launch_forward(rows, rows, CTX)
+        cs.k_mask[rows, cs.THREADS, st](s["arena"], s["base"], s["const"], s["node"], s["emitted"], s["n_emitted"],
+                                        s["k"], s["allow"], s["allow_start"], s["allow_len"], be.cand, s["child"],
+                                        s["lo"], s["edge"], be.ncand, cm, s["status"])
+        be.launch_sparse(rows)
+        cs.k_select[rows, cs.THREADS, st](be.sparse, cm, be.cand, s["child"], s["lo"], s["edge"], be.ncand, cm,
+                                          s["status"], s["node"], s["emitted"], s["n_emitted"], s["done"],
+                                          s["tok"], s["wedge"], s["lp"])
+
+    def unconstrained():
+        be.launch_forward(rows, rows, CTX)
+        be.launch_dense(rows)
+
+    constrained()  # compile and load the sampler kernels before any capture
+    be.synchronize()
+    assert (s["status"].copy_to_host() == cs.OK).all(), "the root mask must be non-empty"
+    timer = Timer(be)
+    u_ms, u_nodes = timer.graph_ms(unconstrained)
+    c_ms, c_nodes = timer.graph_ms(constrained)
+    return u_ms, c_ms, u_nodes, c_nodes
+
+
+def cpu_sides(be, trie, rows, reps=5):
+    from decoder_service.engine.sampler import legal_edges, select
+    batch = decode_batch(rows)
+    emitted = np.full(3, -1, np.int32)
+    buf = np.empty(trie.max_fanout(), np.int32)
+
+    def constrained():
+        be.forward(batch)
+        n = legal_edges(0, trie.node_edge_start, trie.edge_child, trie.edge_lo, trie.edge_hi, emitted, 0, 3,
+                        np.empty(0, np.int32), True, buf)
+        cand = np.tile(trie.edge_token[buf[:n]], (rows, 1))
+        logits = be.sparse_logits(cand, np.full(rows, n, np.int32))
+        for r in range(rows):
+            select(logits[r], cand[r])
+
+    def unconstrained():
+        be.forward(batch)
+        be.dense_logits()
+
+    out = []
+    for fn in (unconstrained, constrained):
+        fn()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t) * 1e3)
+        out.append(statistics.median(ts))
+    return out[0], out[1], None, None
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--rows", default="1,16,64,256")
+    p.add_argument("--shapes", default="smollm2-135m,qwen3-1.7b")
+    p.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    tok = ModelTokenizer(args.tokenizer)
+    data = ROOT.parent / "shared" / "data"
+    if not data.exists():
+        data = ROOT / ".gpu_data"
+    trie = compile_catalog(parse_registry((data / "metatool" / "catalog.json").read_text()), tok)
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    print(f"MetaTool trie: root fan-out {trie.max_fanout()}; context {CTX}; backend {args.backend}")
+    print("| shape | rows | unconstrained ms | constrained ms | constrained - unconstrained µs | graph nodes |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for shape in args.shapes.split(","):
+        cfg = ModelConfig.from_dict(MODELS[shape], shape)
+        spec = KVPoolSpec(max(rows_list) * CTX // BLOCK, BLOCK)
+        weights = random_weights(cfg, seed=1)
+        if args.backend == "cuda":
+            from decoder_service.model.cuda.backend import CudaBackend
+            be = CudaBackend(cfg, weights, spec, max_rows=max(rows_list), max_logit_rows=max(rows_list),
+                             max_candidates=256)
+            side = cuda_sides
+        else:
+            from decoder_service.model.cpu import CpuBackend
+            be = CpuBackend(cfg, weights, spec)
+            side = cpu_sides
+        for rows in rows_list:
+            u, c, un, cn = side(be, trie, rows)
+            results.append({"shape": shape, "rows": rows, "unconstrained_ms": round(u, 4),
+                            "constrained_ms": round(c, 4), "graph_nodes": [un, cn]})
+            print(f"| {shape} | {rows} | {u:.3f} | {c:.3f} | {(c - u) * 1e3:+.0f} | {un} / {cn} |", flush=True)
+        del be
+    if args.out:
+        Path(args.out).write_text(json.dumps({"backend": args.backend, "ctx": CTX, "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
