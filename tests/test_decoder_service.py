@@ -86,9 +86,8 @@ def test_discover_streams_exactly_k_distinct_names_of_the_pinned_version(stack):
     (dict(catalog="demo", version=999, intent="x", k=1), grpc.StatusCode.NOT_FOUND, "has no version 999"),
 ])
 def test_error_codes(stack, request_, code, message):
-    with pytest.raises(grpc.RpcError) as err:
-        list(stack["stub"].Discover(pb.DiscoverRequest(**request_), timeout=30))
-    assert err.value.code() == code and message in err.value.details()
+    err = refusal(stack["stub"], **request_)
+    assert err.code() == code and message in err.details()
 
 
 def test_allowlist_through_the_service(stack):
@@ -199,21 +198,21 @@ def test_tokenizer_mismatch_is_failed_precondition(stack):
 
 def test_engine_fault_is_internal(stack, monkeypatch):
     monkeypatch.setattr("decoder_service.engine.engine.legal_edges", lambda *a: 0)
+    err = refusal(stack["stub"], catalog="demo", intent="x", k=1)
+    assert err.code() == grpc.StatusCode.INTERNAL and "empty mask" in err.details()
+
+
+def refusal(stub, **request) -> grpc.RpcError:
+    """The error a Discover call ends with (the test fails if it succeeds)."""
     with pytest.raises(grpc.RpcError) as err:
-        list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=30))
-    assert err.value.code() == grpc.StatusCode.INTERNAL and "empty mask" in err.value.details()
+        list(stub.Discover(pb.DiscoverRequest(**request), timeout=30))
+    return err.value
 
 
-def test_a_full_queue_is_resource_exhausted(stack):
-    engine = stack["engine"]
-    saved = engine.config
-    engine.config = dataclasses.replace(saved, max_waiting=0)
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=30))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 0" in err.value.details()
-    finally:
-        engine.config = saved
+def test_a_full_queue_is_resource_exhausted(stack, monkeypatch):
+    monkeypatch.setattr(stack["engine"], "config", dataclasses.replace(stack["engine"].config, max_waiting=0))
+    err = refusal(stack["stub"], catalog="demo", intent="x", k=1)
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "the bound is 0" in err.details()
 
 
 def test_an_explicit_older_version_is_served_on_demand(stack):
@@ -230,15 +229,10 @@ def test_an_explicit_older_version_is_served_on_demand(stack):
     assert accepted.version == new.version and {p.name for p in pointers} <= {t["name"] for t in TOOLS[8:16]}
 
 
-def test_draining_refuses_new_requests_as_unavailable(stack):
-    servicer = stack["servicer"]
-    servicer.draining = True
-    try:
-        with pytest.raises(grpc.RpcError) as err:
-            list(stack["stub"].Discover(pb.DiscoverRequest(catalog="demo", intent="x", k=1), timeout=10))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.value.details()
-    finally:
-        servicer.draining = False
+def test_draining_refuses_new_requests_as_unavailable(stack, monkeypatch):
+    monkeypatch.setattr(stack["servicer"], "draining", True)
+    err = refusal(stack["stub"], catalog="demo", intent="x", k=1)
+    assert err.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in err.details()
 
 
 def test_reflection_lists_the_decoder(stack):

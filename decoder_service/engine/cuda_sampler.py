@@ -56,6 +56,18 @@ def _rd(cmem, arena, use_const, base, i):
 
 
 @cuda.jit(device=True, inline="always")
+def _lower_bound(sorted_ids, a, b, x):
+    """First index in [a, b) whose id is >= x."""
+    while a < b:
+        m = (a + b) // 2
+        if sorted_ids[m] < x:
+            a = m + 1
+        else:
+            b = m
+    return a
+
+
+@cuda.jit(device=True, inline="always")
 def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, r, allow, a0, alen):
     E = _rd(cmem, arena, use_const, base, 1)
     child = _rd(cmem, arena, use_const, base, tok_off + E + e)
@@ -68,22 +80,8 @@ def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, r, a
     if alen < 0:
         count = hi - lo
     else:  # allowed ids in [lo, hi): two binary searches over the row's sorted allowlist
-        a, b = a0, a0 + alen
-        while a < b:
-            m = (a + b) // 2
-            if allow[m] < lo:
-                a = m + 1
-            else:
-                b = m
-        first = a
-        a, b = first, a0 + alen
-        while a < b:
-            m = (a + b) // 2
-            if allow[m] < hi:
-                a = m + 1
-            else:
-                b = m
-        count = a - first
+        first = _lower_bound(allow, a0, a0 + alen, lo)
+        count = _lower_bound(allow, first, a0 + alen, hi) - first
     for i in range(n_emitted):
         p = emitted[r, i]
         if lo <= p and p < hi:
