@@ -7,9 +7,9 @@ part of its own prompt.
 """
 from __future__ import annotations
 
-import json
 import threading
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -26,7 +26,6 @@ class CatalogRuntime:
     shared_blocks: list[int] = field(default_factory=list)  # KV of prefix_ids[:shared_tokens]
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
-    error: str | None = None
 
     @classmethod
     def from_trie(cls, trie: Trie, tokenizer, block_size: int) -> "CatalogRuntime":
@@ -48,21 +47,19 @@ class CatalogRuntime:
         """A pointer's deepest token path plus its control token (separator or stop)."""
         return int(self.trie.meta["max_pointer_tokens"]) + 1
 
+    @cached_property
+    def name_index(self) -> dict[str, int]:
+        return {n: i for i, n in enumerate(self.trie.pointer_names)}
+
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""
-        index = self._name_index()
-        missing = [n for n in names if n not in index]
+        missing = [n for n in names if n not in self.name_index]
         if missing:
             raise KeyError(missing[0])
-        return np.unique(np.asarray([index[n] for n in names], dtype=np.int32))
-
-    def _name_index(self) -> dict[str, int]:
-        if not hasattr(self, "_index"):
-            self._index = {n: i for i, n in enumerate(self.trie.pointer_names)}
-        return self._index
+        return np.unique(np.asarray([self.name_index[n] for n in names], dtype=np.int32))
 
     def describe(self) -> dict:
         name, version = self.key
         return {"name": name, "version": version, "tools": len(self.trie.pointer_names),
                 "prefix_tokens": len(self.prefix_ids), "ready": self.ready.is_set(),
-                "warm_seconds": round(self.warm_seconds, 3), "stats": json.dumps(self.trie.stats())}
+                "warm_seconds": round(self.warm_seconds, 3)}
