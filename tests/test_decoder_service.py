@@ -197,7 +197,7 @@ def test_tokenizer_mismatch_is_failed_precondition(stack):
 
 
 def test_engine_fault_is_internal(stack, monkeypatch):
-    monkeypatch.setattr("decoder_service.engine.engine.legal_edges", lambda *a: 0)
+    monkeypatch.setattr("decoder_service.engine.sampler.legal_edges", lambda *a: 0)
     err = refusal(stack["stub"], catalog="demo", intent="x", k=1)
     assert err.code() == grpc.StatusCode.INTERNAL and "empty mask" in err.details()
 

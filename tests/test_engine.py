@@ -164,7 +164,7 @@ def test_queue_bound_is_resource_exhausted(backend, tok, catalog):
 
 
 def test_an_empty_mask_fails_loudly(engine, catalog, monkeypatch):
-    monkeypatch.setattr("decoder_service.engine.engine.legal_edges", lambda *a: 0)
+    monkeypatch.setattr("decoder_service.engine.sampler.legal_edges", lambda *a: 0)
     seq = engine.submit(catalog, "anything", 2)
     engine.run_until_idle()
     events = list(seq)

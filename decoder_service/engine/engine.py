@@ -25,13 +25,21 @@ from tokenizers import Tokenizer
 
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
-from decoder_service.engine.sampler import SEP, STOP, EngineFault, legal_edges, select
+from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
 from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")
+
+
+def make_sampler(backend, head: str):
+    """The device sampler for the sparse head on a GPU backend, the host sampler otherwise."""
+    if head == "sparse" and getattr(backend, "name", "") == "cuda":
+        from decoder_service.engine.cuda_sampler import DeviceSampler
+        return DeviceSampler(backend, HostSampler(backend, head))
+    return HostSampler(backend, head)
 
 
 class RequestError(ValueError):
@@ -74,6 +82,7 @@ class DecodeEngine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
+        self.sampler = make_sampler(backend, config.head)
         self.steps = 0
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
@@ -235,36 +244,23 @@ class DecodeEngine:
         seq.finish(event)
 
     def _sample(self, seqs: list[Sequence]) -> None:
-        """Masked argmax for each sequence, from the sparse head (or the dense head + gather)."""
-        edges_of, counts = [], np.zeros(len(seqs), np.int32)
-        for i, seq in enumerate(seqs):
-            t = seq.catalog.trie
-            buf = np.empty(int(t.node_edge_start[seq.node + 1] - t.node_edge_start[seq.node]), np.int32)
-            n = legal_edges(seq.node, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, seq.emitted,
-                            seq.n_emitted, seq.k, seq.allow, seq.allow_all, buf)
-            edges_of.append(buf[:n])
-            counts[i] = n
-        width = max(1, int(counts.max()))
-        cand = np.zeros((len(seqs), width), np.int32)
-        for i, seq in enumerate(seqs):
-            tokens = seq.catalog.trie.edge_token[edges_of[i]]
-            cand[i, :len(tokens)] = tokens
-            cand[i, len(tokens):] = tokens[0] if len(tokens) else 0
-        if self.config.head == "dense":
-            logits = np.take_along_axis(self.backend.dense_logits(), cand, axis=1)
-        else:
-            logits = self.backend.sparse_logits(cand, counts)
-        for i, seq in enumerate(seqs):
-            if counts[i] == 0:
-                self._fail(seq, FailedEvent("internal", f"empty mask: no legal token at trie node {seq.node} "
-                                                        f"after {seq.n_emitted} of {seq.k} pointers"))
-                continue
-            win, logprob = select(logits[i, :counts[i]], cand[i, :counts[i]])
-            self._advance(seq, int(edges_of[i][win]), logprob)
+        """Masked argmax for each sequence (host or device sampler), then the advance."""
+        for seq, pick in zip(seqs, self.sampler.choose(seqs)):
+            if isinstance(pick, str):
+                self._fail(seq, FailedEvent("internal", pick))
+            else:
+                self._advance(seq, pick)
 
-    def _advance(self, seq: Sequence, edge: int, logprob: float) -> None:
+    def _advance(self, seq: Sequence, pick: Pick) -> None:
+        """Advance on the host's own trie by the sampler's token; a token that is not the chosen edge
+        of the current node (a stale or corrupted device trie) fails the request at once."""
         trie = seq.catalog.trie
-        token, child = int(trie.edge_token[edge]), int(trie.edge_child[edge])
+        edge, token, logprob = pick
+        if trie.find_edge(seq.node, token) != edge:
+            self._fail(seq, FailedEvent("internal", f"the sampler chose token {token} (edge {edge}), which is not "
+                                                    f"that edge of trie node {seq.node}: stale or corrupted trie"))
+            return
+        child = int(trie.edge_child[edge])
         if seq.state == State.PREFILL:
             seq.state, seq.t_first_decode = State.DECODE, time.monotonic()
         seq.generated.append(token)

@@ -9,17 +9,12 @@ id on a tie: a fixed rule, so the same logits give the same token in any batch.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 from numba import njit
 
 from shared.trie import SEP, STOP
-
-
-class EngineFault(RuntimeError):
-    """The constrained decoder reached a state that must never happen (an empty mask, a walk mismatch).
-
-    The request fails loudly with this message; a plausible wrong answer is never returned.
-    """
 
 
 @njit(cache=True)
@@ -65,4 +60,51 @@ def select(logits: np.ndarray, tokens: np.ndarray) -> tuple[int, float]:
     return win, logprob
 
 
-__all__ = ["EngineFault", "legal_edges", "select", "SEP", "STOP"]
+class Pick(NamedTuple):
+    """A sampler's choice for one row: the trie edge, its token, and the token's constrained log-prob."""
+    edge: int
+    token: int
+    logprob: float
+
+
+def empty_mask_message(seq) -> str:
+    return f"empty mask: no legal token at trie node {seq.node} after {seq.n_emitted} of {seq.k} pointers"
+
+
+class HostSampler:
+    """Legal edges on the host, logits from the backend's sparse head (or its dense head + gather),
+    the winner by `select`. Every backend runs it; the sparse head tiles over any number of candidates."""
+
+    def __init__(self, backend, head: str = "sparse"):
+        self.backend, self.head = backend, head
+
+    def choose(self, seqs) -> list[Pick | str]:
+        """A Pick per sequence, or a message saying why there is none."""
+        edges_of, counts = [], np.zeros(len(seqs), np.int32)
+        for i, seq in enumerate(seqs):
+            t = seq.catalog.trie
+            buf = np.empty(int(t.node_edge_start[seq.node + 1] - t.node_edge_start[seq.node]), np.int32)
+            n = legal_edges(seq.node, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, seq.emitted,
+                            seq.n_emitted, seq.k, seq.allow, seq.allow_all, buf)
+            edges_of.append(buf[:n])
+            counts[i] = n
+        cand = np.zeros((len(seqs), max(1, int(counts.max()))), np.int32)
+        for i, seq in enumerate(seqs):
+            tokens = seq.catalog.trie.edge_token[edges_of[i]]
+            cand[i, :len(tokens)] = tokens
+            cand[i, len(tokens):] = tokens[0] if len(tokens) else 0
+        if self.head == "dense":
+            logits = np.take_along_axis(self.backend.dense_logits(), cand, axis=1)
+        else:
+            logits = self.backend.sparse_logits(cand, counts)
+        picks = []
+        for i, seq in enumerate(seqs):
+            if counts[i] == 0:
+                picks.append(empty_mask_message(seq))
+                continue
+            win, logprob = select(logits[i, :counts[i]], cand[i, :counts[i]])
+            picks.append(Pick(int(edges_of[i][win]), int(cand[i, win]), logprob))
+        return picks
+
+
+__all__ = ["HostSampler", "Pick", "legal_edges", "select", "SEP", "STOP"]
