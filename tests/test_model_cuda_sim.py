@@ -136,7 +136,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     prompt = rng.integers(3, cfg.vocab_size, 11).tolist()     # 3 attention tiles under the simulator
     _, lr = compare("prefill 11", StepBatch.from_chunks([(0, prompt, 0)], bt))
     pos, nxt = len(prompt), int(lr[0].argmax())
-    for _ in range(2):
+    for _ in range(2 if (arch, dtype) == ("llama", "float32") else 1):   # the simulator is slow
         _, lr = compare(f"decode {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt))
         pos, nxt = pos + 1, int(lr[0].argmax())
     other = rng.integers(3, cfg.vocab_size, 6).tolist()

@@ -4,7 +4,9 @@ The simulator runs each CUDA thread as a Python thread and implements ``syncthre
 that busy-polls every thread of the block while holding the GIL, so a block of 8 threads takes
 ~50 ms. ``install()`` replaces that with a ``threading.Barrier`` per block (the same semantics for
 kernels where every thread of a block reaches every barrier, which all of ours do) and shortens
-the GIL switch interval. It changes no kernel and no result; it only refuses to run on a real GPU.
+the GIL switch interval. It also makes the simulator's creation of static shared arrays atomic (it
+races between the threads of a block). It changes no kernel and no result, and does nothing on a
+real GPU.
 """
 from __future__ import annotations
 
@@ -60,6 +62,30 @@ def install() -> bool:
             if t.exception is not None:
                 raise t.exception[0].with_traceback(t.exception[1])
 
+    # The simulator creates a static shared array on first use with an unlocked get-or-create, so two
+    # threads of a block starting together can each get their own "shared" array (a rare wrong
+    # reduction). Make the creation atomic.
+    from numba.cuda.simulator import kernelapi as simapi
+    shared_lock = threading.Lock()
+
+    def shared_array(self, shape, dtype, alignment=None):
+        # the simulator's FakeCUDAShared.array, with the get-or-create under a lock
+        if alignment is not None:
+            raise RuntimeError("Array alignment is not supported in cudasim")
+        if isinstance(dtype, simapi.types.Type):
+            dtype = simapi.numpy_support.as_dtype(dtype)
+        if shape == 0:
+            count = self._dynshared_size // dtype.itemsize
+            return np.frombuffer(self._dynshared.data, dtype=dtype, count=count)
+        caller = simapi.traceback.extract_stack(sys._getframe(1), limit=1)[0][0:2]
+        with shared_lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = np.empty(shape, dtype)
+                self._allocations[caller] = res
+        return res
+
+    simapi.FakeCUDAShared.array = shared_array
     simk.BlockThread.syncthreads = syncthreads
     simk.BlockThread.run = thread_run
     simk.BlockManager.run = manager_run
