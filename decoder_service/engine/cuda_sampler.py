@@ -241,3 +241,102 @@ class ConstantTrie:
                 raise RuntimeError(f"binding the constant trie failed: {err}")
             self._keepalive = host  # the copy is asynchronous: the source must outlive it
         self.owner = owner
+
+
+class DeviceSampler:
+    """The engine's sampler on a GPU backend: k_mask -> the backend's sparse head -> k_select.
+
+    The rows' trie state stays on the host (the engine's source of truth); each step uploads it, runs
+    the three launches on the backend's stream, and reads back one Pick per row. Every loaded catalog
+    version has its packed trie in one global arena; the newest version that fits 64 KiB is resident
+    in constant memory and its rows read from there. A step the kernels cannot take whole (a node
+    wider than the backend's candidate buffer, or a k past the emitted buffer) goes to the host
+    sampler, which tiles: no candidate is ever dropped.
+    """
+
+    def __init__(self, backend, fallback, max_k: int = 64):
+        self.be, self.fallback, self.max_k = backend, fallback, max_k
+        self.stream = backend.stream.numba if not SIM else 0
+        self.constant = ConstantTrie()
+        self.packed: dict = {}          # catalog key -> packed trie
+        self.base: dict = {}            # catalog key -> offset in the arena
+        self.arena = None
+        n, c = backend.max_logit_rows, backend.max_candidates
+        zeros = lambda size, dt=np.int32: cuda.to_device(np.zeros(size, dt))  # noqa: E731
+        self.rows = {name: zeros(n) for name in ("base", "const", "node", "n_emitted", "k", "allow_start",
+                                                 "allow_len", "status", "done", "token", "edge")}
+        self.emitted = cuda.to_device(np.full((n, max_k), -1, np.int32))
+        self.logprob = zeros(n, np.float64)
+        self.cand = {name: zeros(n * c) for name in ("child", "lo", "edge")}
+        self.allow = zeros(1)
+
+    def _register(self, catalog) -> None:
+        """Put a version's packed trie in the arena (once), and in constant memory if it fits."""
+        key = catalog.key
+        if key in self.packed:
+            return
+        self.packed[key] = pack_trie(catalog.trie)
+        self.base, offset = {}, 0
+        for k, p in self.packed.items():
+            self.base[k] = offset
+            offset += len(p)
+        self.arena = cuda.to_device(np.concatenate(list(self.packed.values())))
+        if fits_constant_memory(self.packed[key]):
+            self.constant.bind(key, self.packed[key], stream=self.stream)
+
+    def forget(self, catalog) -> None:
+        """A released version leaves the arena at the next registration (and constant memory keeps it
+        until another version is bound: nothing reads it once no row names it)."""
+        self.packed.pop(catalog.key, None)
+
+    def choose(self, seqs) -> list:
+        from decoder_service.engine.sampler import Pick, empty_mask_message
+        n, cmax = len(seqs), self.be.max_candidates
+        too_wide = any(s.catalog.trie.max_fanout() > cmax or s.k > self.max_k for s in seqs)
+        if too_wide or n > self.be.max_logit_rows:
+            return self.fallback.choose(seqs)
+        for seq in seqs:
+            self._register(seq.catalog)
+        emitted = np.full((n, self.max_k), -1, np.int32)
+        allow_parts, starts, lens = [], [], []
+        offset = 0
+        for i, seq in enumerate(seqs):
+            emitted[i, :seq.n_emitted] = seq.emitted[:seq.n_emitted]
+            starts.append(offset)
+            lens.append(-1 if seq.allow_all else len(seq.allow))
+            if not seq.allow_all:
+                allow_parts.append(seq.allow)
+                offset += len(seq.allow)
+        host = {"base": [0 if self._resident(s) else self.base[s.catalog.key] for s in seqs],
+                "const": [int(self._resident(s)) for s in seqs], "node": [s.node for s in seqs],
+                "n_emitted": [s.n_emitted for s in seqs], "k": [s.k for s in seqs],
+                "allow_start": starts, "allow_len": lens}
+        st = self.stream
+        for name, values in host.items():
+            self.rows[name][:n].copy_to_device(np.asarray(values, np.int32), stream=st)
+        self.emitted[:n].copy_to_device(emitted, stream=st)
+        if offset:
+            allow = np.concatenate(allow_parts).astype(np.int32)
+            if len(allow) > len(self.allow):
+                self.allow = cuda.to_device(allow)
+            else:
+                self.allow[:len(allow)].copy_to_device(allow, stream=st)
+        r, c = self.rows, self.cand
+        k_mask[n, THREADS, st](self.arena, r["base"], r["const"], r["node"], self.emitted, r["n_emitted"], r["k"],
+                               self.allow, r["allow_start"], r["allow_len"], self.be.cand, c["child"], c["lo"],
+                               c["edge"], self.be.ncand, cmax, r["status"])
+        self.be.launch_sparse(n)
+        k_select[n, THREADS, st](self.be.sparse, cmax, self.be.cand, c["child"], c["lo"], c["edge"], self.be.ncand,
+                                 cmax, r["status"], r["node"], self.emitted, r["n_emitted"], r["done"], r["token"],
+                                 r["edge"], self.logprob)
+        status = r["status"][:n].copy_to_host(stream=st)
+        edges = r["edge"][:n].copy_to_host(stream=st)
+        tokens = r["token"][:n].copy_to_host(stream=st)
+        logprobs = self.logprob[:n].copy_to_host(stream=st)
+        if not SIM:
+            st.synchronize()
+        return [Pick(int(edges[i]), int(tokens[i]), float(logprobs[i])) if status[i] == OK
+                else empty_mask_message(seq) for i, seq in enumerate(seqs)]
+
+    def _resident(self, seq) -> bool:
+        return self.constant.owner == seq.catalog.key

@@ -67,12 +67,16 @@ class EngineConfig:
 class DecodeEngine:
     def __init__(self, backend, tokenizer, num_blocks: int, block_size: int, max_positions: int,
                  config: EngineConfig = EngineConfig()):
+        # A backend with fixed step buffers (the GPU one) bounds the rows and logit rows of a step.
+        max_rows = getattr(backend, "max_rows", config.max_step_tokens)
+        max_seqs = min(config.max_seqs, getattr(backend, "max_logit_rows", config.max_seqs))
+        config = dataclasses.replace(config, max_step_tokens=min(config.max_step_tokens, max_rows),
+                                     chunk_size=min(config.chunk_size, max_rows), max_seqs=max_seqs)
         self.backend, self.tok, self.config = backend, tokenizer, config
         self.block_size, self.max_positions = block_size, max_positions
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
                                    config.max_step_tokens)
-        self.block_tables = np.full((config.max_seqs, -(-max_positions // block_size)), -1, np.int32)
         self.vocab_size = backend.cfg.vocab_size
         # The intent is user text: it is tokenized with special-token parsing off, so "<|im_end|>"
         # typed by a user stays text and cannot end the turn.
@@ -182,6 +186,7 @@ class DecodeEngine:
                 self.scheduler.add(item)
             elif kind == "release_catalog":
                 self.blocks.release(item.shared_blocks)
+                self.sampler.forget(item)
 
     def has_work(self) -> bool:
         return bool(self._inbox or self.scheduler.running or
@@ -194,15 +199,11 @@ class DecodeEngine:
         now = time.monotonic()
         self._expire(now)
         self.scheduler.admit(now)
-        for seq in self.scheduler.running:
-            row = self.scheduler.block_table_row(seq)
-            self.block_tables[seq.slot, :len(row)] = row
-            self.block_tables[seq.slot, len(row):] = -1
         chunks = self.scheduler.plan()
         if not chunks:
             return False
         self.steps += 1
-        batch = StepBatch.from_chunks([(s.slot, toks, start) for s, toks, start in chunks], self.block_tables)
+        batch = self._batch(chunks)
         sampling = []  # (logit row index in batch.logit_rows, sequence)
         for i, (seq, toks, start) in enumerate(chunks):
             if seq.state == State.PREFILL:
@@ -222,6 +223,14 @@ class DecodeEngine:
             if seq.warmup and seq.computed == len(seq.prompt_ids):
                 self._finish_warmup(seq)
         return True
+
+    def _batch(self, chunks) -> StepBatch:
+        """The step's rows, with block tables for just the sequences in it (table row i: chunk i's)."""
+        rows = [self.scheduler.block_table_row(seq) for seq, _, _ in chunks]
+        tables = np.full((len(rows), max(map(len, rows))), -1, np.int32)
+        for i, row in enumerate(rows):
+            tables[i, :len(row)] = row
+        return StepBatch.from_chunks([(i, toks, start) for i, (_, toks, start) in enumerate(chunks)], tables)
 
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog

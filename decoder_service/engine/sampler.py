@@ -78,6 +78,9 @@ class HostSampler:
     def __init__(self, backend, head: str = "sparse"):
         self.backend, self.head = backend, head
 
+    def forget(self, catalog) -> None:
+        """Nothing to drop: the host sampler reads each catalog's own trie."""
+
     def choose(self, seqs) -> list[Pick | str]:
         """A Pick per sequence, or a message saying why there is none."""
         edges_of, counts = [], np.zeros(len(seqs), np.int32)

@@ -1,0 +1,160 @@
+"""The engine with the device sampler (k_mask -> sparse head -> k_select), under numba's CUDA simulator.
+
+The sampler kernels run in the simulator; the model runs on the CPU backend, and its sparse head is
+served to the kernels through device buffers shaped like the CUDA backend's (`cand`, `ncand`,
+`sparse`). The CUDA model kernels themselves are checked against the reference in
+test_model_cuda_sim.py; running them here too would take the simulator minutes per request. On a
+real GPU the `gpu` test runs the same script on the real CUDA backend.
+
+Checks: the same requests give the host sampler's names, with log-probabilities equal to float64
+rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
+one read from the global arena); a stale constant-memory binding fails the requests loudly
+(INTERNAL), never with a plausible answer.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(sim: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(line[-1][len("RESULT "):])
+
+
+def check(result: dict) -> None:
+    assert result["requests"] >= 8 and result["differences"] == [], result["differences"][:3]
+    assert result["resident_rows"] > 0 and result["arena_rows"] > 0
+    assert result["stale"] and all("stale or corrupted trie" in m or "empty mask" in m for m in result["stale"])
+
+
+def test_device_sampler_engine_matches_the_host_sampler_under_the_simulator():
+    check(run(sim=True))
+
+
+@pytest.mark.gpu
+def test_device_sampler_engine_matches_the_host_sampler_on_the_gpu():
+    from numba import cuda
+    if not cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    check(run(sim=False))
+
+
+class CpuModelDeviceHead:
+    """The CPU backend, with its sparse head read from and written to device buffers the way the CUDA
+    backend's is (`cand` [N, C], `ncand` [N], `sparse` [N, C]): what the device sampler needs."""
+
+    name = "cuda"
+
+    def __init__(self, cpu, max_logit_rows: int, max_candidates: int):
+        from numba import cuda
+        self.cpu, self.cfg = cpu, cpu.cfg
+        self.max_logit_rows, self.max_candidates = max_logit_rows, max_candidates
+        self.cand = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "int32"))
+        self.ncand = cuda.to_device(__import__("numpy").zeros(max_logit_rows, "int32"))
+        self.sparse = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "float32"))
+
+    def forward(self, batch):
+        self.cpu.forward(batch)
+
+    def sparse_logits(self, cand, n):
+        return self.cpu.sparse_logits(cand, n)
+
+    def launch_sparse(self, n: int) -> None:
+        import numpy as np
+        c = self.max_candidates
+        cand = self.cand.copy_to_host()[: n * c].reshape(n, c)
+        counts = self.ncand.copy_to_host()[:n]
+        cand = np.where(np.arange(c)[None, :] < counts[:, None], cand, cand[:, :1])  # unused slots: any id
+        out = np.zeros(self.max_logit_rows * c, np.float32)
+        out[: n * c] = self.cpu.sparse_logits(np.ascontiguousarray(cand, np.int32), counts).reshape(-1)
+        self.sparse.copy_to_device(out)
+
+
+def main() -> None:
+    import tempfile
+
+    import numpy as np
+
+    from compiler_service.compiler import compile_catalog
+    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.engine.engine import DecodeEngine
+    from decoder_service.engine.sampler import HostSampler
+    from decoder_service.engine.sequence import DoneEvent, FailedEvent
+    from decoder_service.model.config import ModelConfig
+    from decoder_service.model.cuda import sim_accel
+    from decoder_service.model.kv_pool import KVPoolSpec
+    from decoder_service.model.weights import load_weights
+    from model_fixtures import make_tiny_model
+    from shared.catalog import catalog_from_entries
+    from shared.tokenizer import ModelTokenizer
+    from tokenizer_fixtures import catalog_path, make_tokenizer_dir
+    simulated = sim_accel.install()
+    tmp = Path(tempfile.mkdtemp())
+    tok = ModelTokenizer(make_tokenizer_dir(tmp / "tok"))
+    model = make_tiny_model(tmp, "llama", "float32", tied=True, seed=2,
+                            config_overrides={"vocab_size": tok.tokenizer.get_vocab_size(),
+                                              "max_position_embeddings": 4096})
+    cfg = ModelConfig.from_dir(model)
+    spec = KVPoolSpec(512, 16)
+    weights = load_weights(model, cfg, "float32")
+    if simulated:
+        from decoder_service.model.cpu import CpuBackend
+        backend = CpuModelDeviceHead(CpuBackend(cfg, weights, spec), max_logit_rows=16, max_candidates=128)
+    else:
+        from decoder_service.model.cuda.backend import CudaBackend
+        backend = CudaBackend(cfg, weights, spec, max_rows=512, max_logit_rows=16, max_candidates=128)
+    tools = json.loads(catalog_path("metatool").read_text())
+    tries = [compile_catalog(catalog_from_entries(tools[:30]), tok),
+             compile_catalog(catalog_from_entries(tools[10:45]), tok)]
+    for version, trie in enumerate(tries, 1):
+        trie.meta.update(name="demo", version=version)
+    requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]
+
+    def serve(sampler, stale=False):
+        engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
+        engine.sampler = sampler
+        catalogs = [engine.load_catalog(t) for t in tries]
+        engine.run_until_idle()
+        if isinstance(sampler, cs.DeviceSampler):
+            for rt in catalogs:  # version 2 is registered last: it is the resident one
+                sampler._register(rt)
+            if stale:  # constant memory holds version 1 while the sampler believes version 2 is there
+                sampler.constant.bind(catalogs[1].key, cs.pack_trie(tries[0]))
+        seqs = [engine.submit(catalogs[i % 2], intent, k) for i, (intent, k) in enumerate(requests * 2)]
+        engine.run_until_idle()
+        out = []
+        for seq in seqs:
+            events = list(seq)
+            out.append(events[-1].message if isinstance(events[-1], FailedEvent) else
+                       [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
+        return out
+
+    expected = serve(HostSampler(backend))
+    device = cs.DeviceSampler(backend, HostSampler(backend))
+    got = serve(device)
+    differences = [f"{e} vs {g}" for e, g in zip(expected, got)
+                   if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
+                   or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]
+    resident = sum(1 for i in range(len(got)) if i % 2 == 1)
+    stale = serve(cs.DeviceSampler(backend, HostSampler(backend)), stale=True)
+    print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
+                                  "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
+                                  "stale": [m for m in stale if isinstance(m, str)]}))
+
+
+if __name__ == "__main__":
+    main()
