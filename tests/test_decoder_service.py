@@ -103,17 +103,23 @@ def test_get_info(stack):
 
 
 def test_deadline_and_cancellation_free_every_block(stack):
+    """With the engine paused, one request's deadline passes and another is cancelled after Accepted;
+    once the engine runs again both are dropped and the pool returns to its idle level."""
     engine, stub = stack["engine"], stack["stub"]
     time.sleep(0.2)
     idle = engine.blocks.num_free
-    with pytest.raises(grpc.RpcError) as err:
-        list(stub.Discover(pb.DiscoverRequest(catalog="demo", intent="slow " * 200, k=6), timeout=0.05))
-    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    call = stub.Discover(pb.DiscoverRequest(catalog="demo", intent="cancel me", k=6), timeout=30)
-    next(call)
-    call.cancel()
+    engine.stop()
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Discover(pb.DiscoverRequest(catalog="demo", intent="too slow", k=3), timeout=0.3))
+        assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        call = stub.Discover(pb.DiscoverRequest(catalog="demo", intent="cancel me", k=3), timeout=30)
+        assert next(call).HasField("accepted")
+        call.cancel()
+    finally:
+        engine.start()
     deadline = time.monotonic() + 10
-    while engine.blocks.num_free != idle or engine.scheduler.running:
+    while engine.blocks.num_free != idle or engine.scheduler.running or engine.scheduler.waiting:
         assert time.monotonic() < deadline, f"{idle - engine.blocks.num_free} blocks still held"
         time.sleep(0.05)
 

@@ -196,7 +196,7 @@ def test_cancellation_and_deadlines_free_every_block(stack):
         call.cancel()
     for _ in range(5):
         with pytest.raises(grpc.RpcError) as err:
-            stack.discover("too slow " * 50, 3, timeout=0.01)
+            stack.discover("too slow " * 50, 3, timeout=0.002)
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     wait_until(lambda: info().kv_free_blocks == idle, 30, "the KV pool to return to its idle level")
 
