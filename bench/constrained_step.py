@@ -149,7 +149,7 @@ def main() -> None:
         if args.backend == "cuda":
             from decoder_service.model.cuda.backend import CudaBackend
             be = CudaBackend(cfg, weights, spec, max_rows=max(rows_list), max_logit_rows=max(rows_list),
-                             max_candidates=256)
+                             max_candidates=256, max_table=max(rows_list) * (CTX // BLOCK))
             side = cuda_sides
         else:
             from decoder_service.model.cpu import CpuBackend

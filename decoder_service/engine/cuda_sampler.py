@@ -234,7 +234,7 @@ class ConstantTrie:
             host = cuda.pinned_array(CONST_WORDS, np.int32)
             host[:] = 0
             host[:len(packed)] = packed
-            handle = int(stream.handle.value) if hasattr(stream, "handle") else int(stream)
+            handle = int(stream.handle) if hasattr(stream, "handle") else int(stream)
             (err,) = driver.cuMemcpyHtoDAsync(int(pointer.device_ctypes_pointer.value), host.ctypes.data, size,
                                               driver.CUstream(handle))
             if err != driver.CUresult.CUDA_SUCCESS:
