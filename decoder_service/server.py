@@ -20,7 +20,7 @@ from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import (RPC_TOTAL, make_server, set_serving, setup_logging, start_metrics, status_for,
                             wait_for_termination)
-from shared.store import CatalogStore, NotFound
+from shared.store import CatalogStore
 
 log = logging.getLogger("tooltrie.decoder")
 SERVICE = pb.DESCRIPTOR.services_by_name["DecoderService"].full_name

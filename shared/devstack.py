@@ -107,7 +107,7 @@ def run(settings: Settings) -> int:
         for intent, k in DEMO_INTENTS:
             print(f"\n> {intent}  (k={k})")
             cli.main(["--decoder", settings.decoder_addr, "discover", intent, "-k", str(k), "--catalog", "metatool"])
-        print(f"\nserving; try: .venv/bin/tooltrie discover \"book a hotel in Rome\" -k 2 --catalog metatool"
+        print("\nserving; try: .venv/bin/tooltrie discover \"book a hotel in Rome\" -k 2 --catalog metatool"
               "\n(Ctrl-C stops everything)")
         while compiler.poll() is None and decoder.poll() is None:
             time.sleep(0.5)

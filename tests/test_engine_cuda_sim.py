@@ -14,25 +14,15 @@ one read from the global arena); a stale constant-memory binding fails the reque
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from sim_runner import run_script
 
 
 def run(sim: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    if sim:
-        env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, cwd=ROOT)
-    line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-    assert proc.returncode == 0 and line, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return run_script(__file__, sim)
 
 
 def check(result: dict) -> None:
