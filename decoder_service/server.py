@@ -108,7 +108,9 @@ def build_engine(settings: Settings):
     kv_spec = KVPoolSpec.from_tokens(settings.kv_tokens)
     kind = resolve_backend(settings.backend)
     weights = load_weights(settings.model_dir, cfg, weights_dtype(kind, cfg))
-    backend = make_backend(cfg, weights, kv_spec, backend=kind)
+    # The GPU backend's step buffers: a logit row per sequence, a block-table row per sequence.
+    backend = make_backend(cfg, weights, kv_spec, backend=kind, max_logit_rows=settings.max_seqs,
+                           max_table=settings.max_seqs * -(-cfg.max_position_embeddings // kv_spec.block_size))
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
                           config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting))

@@ -47,12 +47,15 @@ def weights_dtype(backend: str, cfg: ModelConfig) -> str:
     return "bfloat16" if cfg.torch_dtype == "bfloat16" else "float16"
 
 
-def make_backend(cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, backend: str = "auto"):
-    """A backend implementing docs/model_runtime_interface.md for these weights and KV pool."""
+def make_backend(cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, backend: str = "auto",
+                 **cuda_options):
+    """A backend implementing docs/model_runtime_interface.md for these weights and KV pool.
+
+    cuda_options size the GPU backend's fixed step buffers (max_rows, max_logit_rows, max_table, ...)."""
     if resolve_backend(backend) == "cpu":
         from .cpu import CpuBackend
 
         return CpuBackend(cfg, weights, kv_spec)
     from .cuda.backend import CudaBackend
 
-    return CudaBackend(cfg, weights, kv_spec)
+    return CudaBackend(cfg, weights, kv_spec, **cuda_options)
