@@ -17,7 +17,7 @@ import redis
 from prometheus_client import Counter as MetricCounter, Gauge
 
 from decoder_service.engine.catalog_runtime import CatalogRuntime
-from decoder_service.engine.engine import DecodeEngine, TokenizerMismatch
+from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
 from shared.store import CatalogStore, NotFound
 from shared.trie import Trie
 
@@ -25,6 +25,11 @@ log = logging.getLogger("tooltrie.catalogs")
 VERSIONS_LOADED = Gauge("tooltrie_catalog_versions_loaded", "Catalog versions held by the decoder")
 SWAPS = MetricCounter("tooltrie_catalog_swaps_total", "Times a catalog's default version changed")
 REFUSED = MetricCounter("tooltrie_catalog_refused_total", "Catalog versions refused (e.g. tokenizer mismatch)")
+
+
+class CatalogRefused(Exception):
+    """The catalog's wanted version cannot be served here (FAILED_PRECONDITION): another tokenizer,
+    or a prompt prefix longer than the model's context."""
 
 
 class CatalogManager:
@@ -48,7 +53,7 @@ class CatalogManager:
             if not version:
                 if name not in self.latest:
                     if name in self.refused:
-                        raise TokenizerMismatch(self.refused[name])
+                        raise CatalogRefused(self.refused[name])
                     raise NotFound(f"no catalog named {name!r} is loaded")
                 version = self.latest[name]
             rt = self.loaded.get((name, version))
@@ -96,11 +101,11 @@ class CatalogManager:
             trie = Trie.from_blob(self.store.blob(name, version))
             try:
                 rt = self.engine.load_catalog(trie)
-            except TokenizerMismatch as e:
+            except (TokenizerMismatch, RequestError) as e:  # another tokenizer; a prefix past the context
                 REFUSED.inc()
                 with self._lock:
                     self.refused[name] = str(e)
-                raise
+                raise CatalogRefused(str(e)) from e
             if not rt.ready.wait(self.warm_timeout):
                 raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
             with self._lock:
@@ -126,7 +131,7 @@ class CatalogManager:
             self.wanted.setdefault(name, version)
         try:
             self.load(name, version)
-        except (NotFound, TokenizerMismatch, TimeoutError) as e:
+        except (NotFound, CatalogRefused, TimeoutError) as e:
             log.error("not serving %s v%d: %s", name, version, e)
             return
         with self._lock:

@@ -13,8 +13,8 @@ import time
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
-from decoder_service.catalogs import CatalogManager
-from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError, TokenizerMismatch
+from decoder_service.catalogs import CatalogManager, CatalogRefused
+from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError
 from decoder_service.engine.sequence import DoneEvent, FailedEvent
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
@@ -33,7 +33,7 @@ REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code
 
 # Engine and catalog exceptions -> status codes (the shared ones come from shared.serving.status_for).
 REFUSALS = [(RequestError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
-            (TokenizerMismatch, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE)]
+            (CatalogRefused, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE)]
 FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
                 "cancelled": grpc.StatusCode.CANCELLED}
 

@@ -245,3 +245,15 @@ def test_reflection_lists_the_decoder(stack):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
     services = ProtoReflectionDescriptorDatabase(grpc.insecure_channel(stack["addr"])).get_services()
     assert SERVICE in services and "grpc.health.v1.Health" in services
+
+
+def test_a_catalog_longer_than_the_context_is_refused_not_served(stack):
+    huge = [{"name": f"tool_{i}", "description": "word " * 1900} for i in range(40)]
+    stack["store"].publish("huge", tries(stack["tok"], huge))
+    deadline = time.monotonic() + 20
+    while (err := refusal(stack["stub"], catalog="huge", intent="x", k=1)).code() == grpc.StatusCode.NOT_FOUND:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert err.code() == grpc.StatusCode.FAILED_PRECONDITION and "does not fit the model's" in err.details()
+    _, pointers, _ = discover(stack["stub"], catalog="demo", intent="still serving", k=1)
+    assert len(pointers) == 1
