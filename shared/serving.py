@@ -64,11 +64,12 @@ def rpc(service: str):
     return wrap
 
 
-def make_server(address: str, add_servicers, service_names: list[str], max_workers: int = 16):
+def make_server(address: str, add_servicers, service_names: list[str], max_workers: int = 16,
+                options: list[tuple[str, int]] = ()):
     """A gRPC server with health (NOT_SERVING until set_serving) and reflection; returns (server, health)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20)])
+                                  ("grpc.max_send_message_length", 64 << 20), *options])
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
