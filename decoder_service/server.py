@@ -136,13 +136,15 @@ def serve(settings: Settings | None = None) -> None:
     store = CatalogStore.from_url(settings.redis_url, settings.namespace)
     catalogs = CatalogManager(store, engine, settings.catalogs or None)
     servicer = DecoderServicer(engine, catalogs, info)
+    # A Discover stream holds a handler thread while it runs or waits: one per admitted or queued
+    # request (plus a few for GetInfo and health), so the queue bound, not the pool, refuses work.
     # Connections are recycled every few minutes (streams in flight get the drain period to finish),
     # so clients balancing round-robin over a headless Service re-resolve and find new replicas.
     age = [("grpc.max_connection_age_ms", 300_000),
            ("grpc.max_connection_age_grace_ms", int(settings.drain_seconds * 1000))]
     server, health = make_server(settings.decoder_addr,
                                  lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE],
-                                 max_workers=max(16, 2 * settings.max_waiting), options=age)
+                                 max_workers=settings.max_seqs + settings.max_waiting + 8, options=age)
     start_metrics(settings.metrics_port)
     server.start()
     log.info("decoder listening on %s (%s on %s); warming catalogs", settings.decoder_addr, info["backend"],
