@@ -7,6 +7,7 @@ health service, and serves until SIGTERM, which drains in-flight requests first.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
@@ -114,9 +115,17 @@ def build_engine(settings: Settings):
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
                           config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting))
-    info = {"model": str(settings.model_dir.name), "backend": getattr(backend, "name", type(backend).__name__),
-            "device": getattr(backend, "device", "cpu")}
+    info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind)}
     return engine, info
+
+
+def device_name(kind: str) -> str:
+    """What GetInfo reports as the device: the GPU's name, or the CPU's core count."""
+    if kind == "cuda":
+        from numba import cuda
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return f"cpu ({os.cpu_count()} cores)"
 
 
 def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:

@@ -201,6 +201,13 @@ def test_cancellation_and_deadlines_free_every_block(stack):
     wait_until(lambda: info().kv_free_blocks == idle, 30, "the KV pool to return to its idle level")
 
 
+def test_get_info_describes_the_running_decoder(stack):
+    info = stack.decoder_stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+    assert info.backend == "cpu" and info.device.startswith("cpu (") and info.model
+    assert info.kv_capacity_tokens >= 65536 and info.kv_block_size == 16 and info.max_sequences >= 1
+    assert any(c.name == "demo" and c.latest and c.ready for c in info.catalogs)
+
+
 def test_sigterm_drains_in_flight_requests_then_exits(stack):
     results, errors = [], []
 
@@ -219,3 +226,4 @@ def test_sigterm_drains_in_flight_requests_then_exits(stack):
     assert stack.decoder.wait(timeout=30) == 0
     assert results, "no in-flight request finished"
     assert set(errors) <= {grpc.StatusCode.UNAVAILABLE}  # refused at the door, never cut off mid-answer
+
