@@ -226,4 +226,3 @@ def test_sigterm_drains_in_flight_requests_then_exits(stack):
     assert stack.decoder.wait(timeout=30) == 0
     assert results, "no in-flight request finished"
     assert set(errors) <= {grpc.StatusCode.UNAVAILABLE}  # refused at the door, never cut off mid-answer
-
