@@ -5,11 +5,13 @@ admit, one ragged forward pass over decode rows and prefill chunks, then the tri
 every row that needs a token. `start()` runs steps on a background thread that owns the device;
 `submit`, `cancel` and `load_catalog` are safe to call from any thread.
 
-Per step, for the rows that need a token:
-  legal edges (sampler.legal_edges) -> candidate tokens -> sparse head logits (or dense + gather)
-  -> select (highest logit, lower token id on ties) -> advance the trie -> stream a completed pointer.
-After the last pointer the host walks the emitted tokens through its own copy of the trie; a token
-that cannot be walked fails the request.
+Per step, for the rows that need a token, the sampler (sampler.HostSampler, or on a GPU backend
+cuda_sampler.DeviceSampler):
+  legal edges -> candidate tokens -> sparse head logits (or dense + gather)
+  -> select (highest logit, lower token id on ties),
+then the engine advances each row on its own host copy of the trie, refusing a token that is not the
+chosen edge of the current node, streams a completed pointer, and after the last one walks the whole
+answer through the trie again. Any mismatch fails the request: never a plausible wrong answer.
 """
 from __future__ import annotations
 
@@ -77,7 +79,6 @@ class DecodeEngine:
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
                                    config.max_step_tokens)
-        self.vocab_size = backend.cfg.vocab_size
         # The intent is user text: it is tokenized with special-token parsing off, so "<|im_end|>"
         # typed by a user stays text and cannot end the turn.
         self._plain = Tokenizer.from_str(tokenizer.tokenizer.to_str())
@@ -87,7 +88,6 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.sampler = make_sampler(backend, config.head)
-        self.steps = 0
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
@@ -202,7 +202,6 @@ class DecodeEngine:
         chunks = self.scheduler.plan()
         if not chunks:
             return False
-        self.steps += 1
         batch = self._batch(chunks)
         sampling = []  # (logit row index in batch.logit_rows, sequence)
         for i, (seq, toks, start) in enumerate(chunks):
