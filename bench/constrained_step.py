@@ -54,39 +54,40 @@ def cuda_sides(be, trie, rows):
     from numba import cuda
 
     from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda.launcher import Launch
     batch = decode_batch(rows)
     be.stage(batch)
     packed = cs.pack_trie(trie)
-    cs.ConstantTrie().bind(("metatool", 1), packed, stream=be.stream.numba)
+    kernels = cs.SamplerKernels.get()
+    cs.ConstantTrie(kernels).bind(("metatool", 1), packed, be.stream)
     i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    state = {"arena": i32(packed), "base": i32(np.zeros(rows)), "const": i32(np.ones(rows)),
-             "node": i32(np.zeros(rows)), "emitted": cuda.to_device(np.full((rows, 4), -1, np.int32)),
-             "n_emitted": i32(np.zeros(rows)), "k": i32(np.full(rows, 3)), "allow": i32(np.zeros(1)),
-             "allow_start": i32(np.zeros(rows)), "allow_len": i32(np.full(rows, -1)),
-             "child": i32(np.zeros(rows * be.max_candidates)), "lo": i32(np.zeros(rows * be.max_candidates)),
-             "edge": i32(np.zeros(rows * be.max_candidates)), "status": i32(np.zeros(rows)),
-             "done": i32(np.zeros(rows)), "tok": i32(np.zeros(rows)), "wedge": i32(np.zeros(rows)),
-             "lp": cuda.to_device(np.zeros(rows))}
-    s, st, cm = state, be.stream.numba, be.max_candidates
+    cm = be.max_candidates
+    node, emitted, n_emitted, status = i32(np.zeros(rows)), i32(np.full(rows * 4, -1)), i32(np.zeros(rows)), \
+        i32(np.zeros(rows))
+    child, lo, edge = (i32(np.zeros(rows * cm)) for _ in range(3))
+    mask = Launch(kernels.mask, cs.THREADS, 0,
+                  [i32(packed), i32(np.zeros(rows)), i32(np.ones(rows)), node, emitted, 4, n_emitted,
+                   i32(np.full(rows, 3)), i32(np.zeros(1)), i32(np.zeros(rows)), i32(np.full(rows, -1)), be.cand,
+                   child, lo, edge, be.ncand, cm, status], be.stream.handle)
+    select = Launch(kernels.select, cs.THREADS, 0,
+                    [be.sparse, cm, be.cand, child, lo, edge, be.ncand, cm, status, node, emitted, 4, n_emitted,
+                     i32(np.zeros(rows)), i32(np.zeros(rows)), i32(np.zeros(rows)), cuda.to_device(np.zeros(rows))],
+                    be.stream.handle)
 
     def constrained():
-        be.stream.memset0(s["node"])  # every replay starts at the root: the widest node
+        be.stream.memset0(node)  # every replay starts at the root: the widest node
         be.launch_forward(rows, rows, CTX)
-        cs.k_mask[rows, cs.THREADS, st](s["arena"], s["base"], s["const"], s["node"], s["emitted"], s["n_emitted"],
-                                        s["k"], s["allow"], s["allow_start"], s["allow_len"], be.cand, s["child"],
-                                        s["lo"], s["edge"], be.ncand, cm, s["status"])
+        mask.launch(rows)
         be.launch_sparse(rows)
-        cs.k_select[rows, cs.THREADS, st](be.sparse, cm, be.cand, s["child"], s["lo"], s["edge"], be.ncand, cm,
-                                          s["status"], s["node"], s["emitted"], s["n_emitted"], s["done"],
-                                          s["tok"], s["wedge"], s["lp"])
+        select.launch(rows)
 
     def unconstrained():
         be.launch_forward(rows, rows, CTX)
         be.launch_dense(rows)
 
-    constrained()  # compile and load the sampler kernels before any capture
+    constrained()
     be.synchronize()
-    assert (s["status"].copy_to_host() == cs.OK).all(), "the root mask must be non-empty"
+    assert (status.copy_to_host() == cs.OK).all(), "the root mask must be non-empty"
     timer = Timer(be)
     u_ms, u_nodes = timer.graph_ms(unconstrained)
     c_ms, c_nodes = timer.graph_ms(constrained)

@@ -72,6 +72,7 @@ def main() -> None:
     from decoder_service.engine import cuda_sampler as cs
     from decoder_service.engine.sampler import legal_edges, select
     from decoder_service.model.cuda import sim_accel
+    from decoder_service.model.cuda.launcher import Launch, Stream
     from shared.catalog import parse_registry
     from shared.tokenizer import ModelTokenizer
     from tokenizer_fixtures import catalog_path, make_tokenizer_dir
@@ -110,35 +111,39 @@ def main() -> None:
     for i, r in enumerate(rows):
         emitted[i, :r[1]] = r[4]
 
-    def launch(const_owner_ok: bool):
+    kernels, stream = cs.SamplerKernels.get(), Stream()
+
+    def launch():
+        """k_mask then k_select over every row, launched as the engine launches them."""
         d = {
             "row_base": np.asarray([0 if r[0] == "metatool" else base[r[0]] for r in rows], np.int32),
             "row_const": np.asarray([1 if r[0] == "metatool" else 0 for r in rows], np.int32),
-            "node": np.asarray([r[3] for r in rows], np.int32), "emitted": emitted.copy(),
+            "node": np.asarray([r[3] for r in rows], np.int32), "emitted": emitted.ravel().copy(),
             "n_emitted": np.asarray([r[5] for r in rows], np.int32), "k": np.asarray([r[1] for r in rows], np.int32),
         }
         dev = {key: cuda.to_device(v) for key, v in d.items()}
         cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32)) for key in ("token", "child", "lo", "edge")}
         ncand, status = cuda.to_device(np.zeros(N, np.int32)), cuda.to_device(np.zeros(N, np.int32))
-        cs.k_mask[N, cs.THREADS](cuda.to_device(arena), dev["row_base"], dev["row_const"], dev["node"],
-                                 dev["emitted"], dev["n_emitted"], dev["k"], cuda.to_device(allow_arena),
-                                 cuda.to_device(allow_start), cuda.to_device(allow_len), cand["token"],
-                                 cand["child"], cand["lo"], cand["edge"], ncand, cmax, status)
-        nc = ncand.copy_to_host()
-        tokens = cand["token"].copy_to_host().reshape(N, cmax)
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
         done = cuda.to_device(np.zeros(N, np.int32))
         out = {key: cuda.to_device(np.zeros(N, dt)) for key, dt in
                (("token", np.int32), ("edge", np.int32), ("logprob", np.float64))}
-        cs.k_select[N, cs.THREADS](cuda.to_device(logits.ravel()), cmax, cand["token"], cand["child"], cand["lo"],
-                                   cand["edge"], ncand, cmax, status, dev["node"], dev["emitted"],
-                                   dev["n_emitted"], done, out["token"], out["edge"], out["logprob"])
-        return (nc, tokens, cand["edge"].copy_to_host().reshape(N, cmax), status.copy_to_host(), logits,
-                {key: v.copy_to_host() for key, v in out.items()}, dev["node"].copy_to_host(),
-                dev["n_emitted"].copy_to_host())
+        keep = [cuda.to_device(arena), cuda.to_device(allow_arena), cuda.to_device(allow_start),
+                cuda.to_device(allow_len), cuda.to_device(logits.ravel())]  # alive until the launches ran
+        Launch(kernels.mask, cs.THREADS, 0, [keep[0], dev["row_base"], dev["row_const"], dev["node"],
+                                             dev["emitted"], kmax, dev["n_emitted"], dev["k"], keep[1], keep[2],
+                                             keep[3], cand["token"], cand["child"], cand["lo"], cand["edge"],
+                                             ncand, cmax, status], stream.handle).launch(N)
+        Launch(kernels.select, cs.THREADS, 0, [keep[4], cmax, cand["token"], cand["child"], cand["lo"],
+                                               cand["edge"], ncand, cmax, status, dev["node"], dev["emitted"],
+                                               kmax, dev["n_emitted"], done, out["token"], out["edge"],
+                                               out["logprob"]], stream.handle).launch(N)
+        stream.synchronize()
+        return (ncand.copy_to_host(), cand["edge"].copy_to_host().reshape(N, cmax), status.copy_to_host(),
+                logits, {key: v.copy_to_host() for key, v in out.items()})
 
-    cs.ConstantTrie().bind(("metatool", 1), packed["metatool"])
-    nc, tokens, edges, status, logits, out, node_after, ne_after = launch(True)
+    cs.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
+    nc, edges, status, logits, out = launch()
     mismatches = []
     for i, (name, k, allow, node, em, n) in enumerate(rows):
         t = tries[name]
@@ -155,8 +160,8 @@ def main() -> None:
     # read it as this MetaTool version
     from shared.catalog import catalog_from_entries
     other = compile_catalog(catalog_from_entries(json.loads(catalog_path("metatool").read_text())[::2]), tok)
-    cs.ConstantTrie().bind(("metatool", 2), cs.pack_trie(other))
-    nc2, _, edges2, _, _, _, _, _ = launch(False)
+    cs.ConstantTrie(kernels).bind(("metatool", 2), cs.pack_trie(other), stream)
+    nc2, edges2, _, _, _ = launch()
     changed = sum(1 for i, r in enumerate(rows) if r[0] == "metatool" and
                   (nc2[i] != nc[i] or list(edges2[i, :nc2[i]]) != list(edges[i, :nc[i]])))
     print("RESULT " + json.dumps({"rows": N, "mismatches": mismatches, "stale_binding_changed_answers": changed}))

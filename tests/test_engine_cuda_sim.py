@@ -51,7 +51,9 @@ class CpuModelDeviceHead:
 
     def __init__(self, cpu, max_logit_rows: int, max_candidates: int):
         from numba import cuda
-        self.cpu, self.cfg = cpu, cpu.cfg
+
+        from decoder_service.model.cuda.launcher import Stream
+        self.cpu, self.cfg, self.stream = cpu, cpu.cfg, Stream()
         self.max_logit_rows, self.max_candidates = max_logit_rows, max_candidates
         self.cand = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "int32"))
         self.ncand = cuda.to_device(__import__("numpy").zeros(max_logit_rows, "int32"))
@@ -123,7 +125,7 @@ def main() -> None:
             for rt in catalogs:  # version 2 is registered last: it is the resident one
                 sampler._register(rt)
             if stale:  # constant memory holds version 1 while the sampler believes version 2 is there
-                sampler.constant.bind(catalogs[1].key, cs.pack_trie(tries[0]))
+                sampler.constant.bind(catalogs[1].key, cs.pack_trie(tries[0]), backend.stream)
         seqs = [engine.submit(catalogs[i % 2], intent, k) for i, (intent, k) in enumerate(requests * 2)]
         engine.run_until_idle()
         out = []

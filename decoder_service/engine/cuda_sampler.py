@@ -11,6 +11,10 @@ A packed trie is one int32 array: [nodes + 1, edges, node_edge_start..., edge_to
 edge_lo..., edge_hi...]. Constant memory holds one packed trie (64 KiB); `ConstantTrie.bind` rewrites
 it from the host (in stream order), and whoever replays a captured graph that reads it must bind
 first: graph replay replays kernels, not the host upload that filled the symbol.
+
+The kernels are launched like the model's (decoder_service/model/cuda/launcher.py): compiled once for
+the signatures below, parameters packed once, raw cuLaunchKernel on the backend's stream. Per-row
+emitted pointers are one flat int32 array with a row stride, so every argument is a 1-D array.
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ import math
 import numba
 import numpy as np
 
-from decoder_service.model.cuda import compat  # noqa: F401 - numpy 2.5 fix before any kernel compiles
+from decoder_service.model.cuda.launcher import Kernel, Launch, check  # applies the numpy 2.5 fix first
 from numba import cuda  # noqa: E402
 
 from shared.trie import SEP, STOP, Trie
@@ -32,8 +36,13 @@ CONST_WORDS = 16384                        # 64 KiB of int32
 # compiler, whatever the index, and the rebinding would be silently ignored (seen on the H200).
 CONST_TRIE = np.arange(CONST_WORDS, dtype=np.int32)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
-_I1, _I2 = numba.int32[::1], numba.int32[:, ::1]
-MASK_SIGNATURE = (_I1,) * 4 + (_I2,) + (_I1,) * 10 + (numba.int64, _I1)
+_I, _S = numba.int32[::1], numba.int32
+# k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
+#        cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status)
+MASK_SIGNATURE = (_I,) * 5 + (_S,) + (_I,) * 10 + (_S, _I)
+# k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status, node,
+#          emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob)
+SELECT_SIGNATURE = (numba.float32[::1], _S) + (_I,) * 5 + (_S,) + (_I,) * 3 + (_S,) + (_I,) * 4 + (numba.float64[::1],)
 
 
 def pack_trie(trie: Trie) -> np.ndarray:
@@ -68,7 +77,7 @@ def _lower_bound(sorted_ids, a, b, x):
 
 
 @cuda.jit(device=True, inline="always")
-def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, r, allow, a0, alen):
+def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, e0, allow, a0, alen):
     E = _rd(cmem, arena, use_const, base, 1)
     child = _rd(cmem, arena, use_const, base, tok_off + E + e)
     if child == SEP and n_emitted + 1 >= k:
@@ -83,14 +92,14 @@ def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, r, a
         first = _lower_bound(allow, a0, a0 + alen, lo)
         count = _lower_bound(allow, first, a0 + alen, hi) - first
     for i in range(n_emitted):
-        p = emitted[r, i]
+        p = emitted[e0 + i]
         if lo <= p and p < hi:
             count -= 1
     return count > 0
 
 
 @cuda.jit(cache=not SIM)
-def k_mask(arena, row_base, row_const, node, emitted, n_emitted, k, allow, allow_start, allow_len,
+def k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
            cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status):
     """One block per row: the row's legal edges, in edge order, as its candidates."""
     cmem = cuda.const.array_like(CONST_TRIE)
@@ -107,10 +116,10 @@ def k_mask(arena, row_base, row_const, node, emitted, n_emitted, k, allow, allow
     chunk = (e1 - e0 + THREADS - 1) // THREADS
     lo_e = e0 + tid * chunk
     hi_e = min(lo_e + chunk, e1)
-    ne, kk, a0, alen = n_emitted[r], k[r], allow_start[r], allow_len[r]
+    ne, kk, a0, alen, em0 = n_emitted[r], k[r], allow_start[r], allow_len[r], r * kstride
     c = 0
     for e in range(lo_e, hi_e):
-        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, r, allow, a0, alen):
+        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, em0, allow, a0, alen):
             c += 1
     counts[tid] = c
     cuda.syncthreads()
@@ -125,7 +134,7 @@ def k_mask(arena, row_base, row_const, node, emitted, n_emitted, k, allow, allow
     cuda.syncthreads()
     out = counts[tid]
     for e in range(lo_e, hi_e):
-        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, r, allow, a0, alen):
+        if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, em0, allow, a0, alen):
             if out < cmax:
                 j = r * cmax + out
                 cand_token[j] = _rd(cmem, arena, use_const, base, tok_off + e)
@@ -143,7 +152,7 @@ def _better(v, t, bv, bt):
 
 @cuda.jit(cache=not SIM)
 def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status, node,
-             emitted, n_emitted, done, out_token, out_edge, out_logprob):
+             emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob):
     """One block per row: masked argmax, log-softmax over the candidates, and the trie advance."""
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -196,7 +205,7 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, n
         out_edge[r] = cand_edge[j]
         out_logprob[r] = numba.float64(bv[0]) - (sm[0] + math.log(ss[0]))
         if child == SEP or child == STOP:
-            emitted[r, n_emitted[r]] = cand_lo[j]
+            emitted[r * kstride + n_emitted[r]] = cand_lo[j]
             n_emitted[r] += 1
             node[r] = 0
             if child == STOP:
@@ -205,70 +214,95 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, n
             node[r] = child
 
 
+class SamplerKernels:
+    """k_mask and k_select compiled once per process (numba's disk cache makes a restart cheap)."""
+
+    _instance = None
+
+    def __init__(self):
+        self.mask = Kernel("k_mask", dispatcher=k_mask, argtypes=MASK_SIGNATURE)
+        self.select = Kernel("k_select", dispatcher=k_select, argtypes=SELECT_SIGNATURE)
+
+    @classmethod
+    def get(cls) -> "SamplerKernels":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+
 class ConstantTrie:
     """Residency of one catalog version in k_mask's constant memory, re-bound on every switch."""
 
-    def __init__(self):
+    def __init__(self, kernels: SamplerKernels):
+        self.kernels = kernels
         self.owner = None
-        self._symbol = None
 
-    def _device_symbol(self):
-        """(device address, size) of k_mask's constant-memory image: numba-private, kept in one place."""
-        if self._symbol is None:
-            if not k_mask.overloads:
-                k_mask.compile(MASK_SIGNATURE)
-            overload = next(iter(k_mask.overloads.values()))
-            module = overload._codelibrary.get_cufunc().module
-            self._symbol = module.get_global_symbol("_cudapy_cmem")
-        return self._symbol
-
-    def bind(self, owner, packed: np.ndarray, stream=0) -> None:
-        """Make packed (owned by `owner`, e.g. a catalog's (name, version)) the resident trie."""
+    def bind(self, owner, packed: np.ndarray, stream) -> None:
+        """Make packed (owned by `owner`, e.g. a catalog's (name, version)) the resident trie, in the
+        order of `stream` (the backend's Stream)."""
         if not fits_constant_memory(packed):
             raise ValueError(f"a packed trie of {len(packed) * 4} bytes does not fit 64 KiB of constant memory")
         if SIM:
             CONST_TRIE[:len(packed)] = packed
         else:
             from cuda.bindings import driver
-            pointer, size = self._device_symbol()
-            host = cuda.pinned_array(CONST_WORDS, np.int32)
+            # numba-private: the compiled module's symbol for the const array (GPU_NOTES), in one place
+            pointer, size = self.kernels.mask.module.get_global_symbol("_cudapy_cmem")
+            host = cuda.pinned_array(CONST_WORDS, np.int32)  # a fresh buffer: the copy is asynchronous
             host[:] = 0
             host[:len(packed)] = packed
-            handle = int(stream.handle) if hasattr(stream, "handle") else int(stream)
-            (err,) = driver.cuMemcpyHtoDAsync(int(pointer.device_ctypes_pointer.value), host.ctypes.data, size,
-                                              driver.CUstream(handle))
-            if err != driver.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"binding the constant trie failed: {err}")
-            self._keepalive = host  # the copy is asynchronous: the source must outlive it
+            check(driver.cuMemcpyHtoDAsync(int(pointer.device_ctypes_pointer.value), host.ctypes.data, size,
+                                           stream.handle), "bind the constant trie")
+            self._keepalive = host
         self.owner = owner
 
 
 class DeviceSampler:
     """The engine's sampler on a GPU backend: k_mask -> the backend's sparse head -> k_select.
 
-    The rows' trie state stays on the host (the engine's source of truth); each step uploads it, runs
-    the three launches on the backend's stream, and reads back one Pick per row. Every loaded catalog
-    version has its packed trie in one global arena; the newest version that fits 64 KiB is resident
-    in constant memory and its rows read from there. A step the kernels cannot take whole (a node
-    wider than the backend's candidate buffer, or a k past the emitted buffer) goes to the host
-    sampler, which tiles: no candidate is ever dropped.
+    The rows' trie state stays on the host (the engine's source of truth). A step stages it in one
+    pinned buffer, makes one copy in, three raw launches on the backend's stream, one copy out, and
+    one synchronisation. Every loaded catalog version has its packed trie in a global arena; the
+    newest version that fits 64 KiB is resident in constant memory and its rows read from there. A
+    step the kernels cannot take whole (a node wider than the backend's candidate buffer, a k or an
+    allowlist past the staging buffers) goes to the host sampler, which tiles: no candidate is dropped.
     """
 
-    def __init__(self, backend, fallback, max_k: int = 64):
-        self.be, self.fallback, self.max_k = backend, fallback, max_k
-        self.stream = backend.stream.numba if not SIM else 0
-        self.constant = ConstantTrie()
-        self.packed: dict = {}          # catalog key -> packed trie
-        self.base: dict = {}            # catalog key -> offset in the arena
-        self.arena = None
+    FIELDS = ("base", "const", "node", "n_emitted", "k", "allow_start", "allow_len")  # int32 per row
+
+    def __init__(self, backend, fallback, max_k: int = 64, max_allow: int = 1 << 16):
+        self.be, self.fallback, self.max_k, self.max_allow = backend, fallback, max_k, max_allow
+        self.kernels = SamplerKernels.get()
+        self.constant = ConstantTrie(self.kernels)
+        self.packed: dict = {}   # catalog key -> packed trie
+        self.base: dict = {}     # catalog key -> offset in the arena
         n, c = backend.max_logit_rows, backend.max_candidates
-        zeros = lambda size, dt=np.int32: cuda.to_device(np.zeros(size, dt))  # noqa: E731
-        self.rows = {name: zeros(n) for name in ("base", "const", "node", "n_emitted", "k", "allow_start",
-                                                 "allow_len", "status", "done", "token", "edge")}
-        self.emitted = cuda.to_device(np.full((n, max_k), -1, np.int32))
-        self.logprob = zeros(n, np.float64)
-        self.cand = {name: zeros(n * c) for name in ("child", "lo", "edge")}
-        self.allow = zeros(1)
+        pin = np.zeros if SIM else cuda.pinned_array
+        # staged inputs: the per-row fields, then emitted [n, max_k], then the rows' allowlists
+        self._o_emitted = len(self.FIELDS) * n
+        self._o_allow = self._o_emitted + n * max_k
+        self.host_in = pin(self._o_allow + max_allow, np.int32)
+        self.dev_in = cuda.device_array(len(self.host_in), np.int32)
+        self.host_fields = {f: self.host_in[i * n:(i + 1) * n] for i, f in enumerate(self.FIELDS)}
+        dev_fields = {f: self.dev_in[i * n:(i + 1) * n] for i, f in enumerate(self.FIELDS)}
+        emitted = self.dev_in[self._o_emitted:self._o_allow]
+        allow = self.dev_in[self._o_allow:]
+        # outputs: status | token | edge (int32), and the log-probabilities
+        self.host_out, self.dev_out = pin(3 * n, np.int32), cuda.device_array(3 * n, np.int32)
+        status, token, edge = (self.dev_out[i * n:(i + 1) * n] for i in range(3))
+        self.host_logprob, self.dev_logprob = pin(n, np.float64), cuda.device_array(n, np.float64)
+        cand = [cuda.device_array(n * c, np.int32) for _ in range(3)]  # child, lo, edge of each candidate
+        done = cuda.device_array(n, np.int32)
+        st = backend.stream.handle
+        self._mask_tail = [dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], dev_fields["k"], allow,
+                           dev_fields["allow_start"], dev_fields["allow_len"], backend.cand, *cand, backend.ncand,
+                           c, status]
+        self._mask_head = [dev_fields["base"], dev_fields["const"]]
+        self.launch_mask = None  # packed once an arena exists (rebuilt when the arena grows)
+        self.launch_select = Launch(self.kernels.select, THREADS, 0,
+                                    [backend.sparse, c, backend.cand, *cand, backend.ncand, c, status,
+                                     dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], done, token,
+                                     edge, self.dev_logprob], st)
 
     def _register(self, catalog) -> None:
         """Put a version's packed trie in the arena (once), and in constant memory if it fits."""
@@ -281,62 +315,47 @@ class DeviceSampler:
             self.base[k] = offset
             offset += len(p)
         self.arena = cuda.to_device(np.concatenate(list(self.packed.values())))
+        self.launch_mask = Launch(self.kernels.mask, THREADS, 0, [self.arena, *self._mask_head, *self._mask_tail],
+                                  self.be.stream.handle)
         if fits_constant_memory(self.packed[key]):
-            self.constant.bind(key, self.packed[key], stream=self.stream)
+            self.constant.bind(key, self.packed[key], self.be.stream)
 
     def forget(self, catalog) -> None:
-        """A released version leaves the arena at the next registration (and constant memory keeps it
-        until another version is bound: nothing reads it once no row names it)."""
+        """A released version leaves the arena at the next registration (constant memory keeps it until
+        another version is bound: nothing reads it once no row names it)."""
         self.packed.pop(catalog.key, None)
 
     def choose(self, seqs) -> list:
         from decoder_service.engine.sampler import Pick, empty_mask_message
-        n, cmax = len(seqs), self.be.max_candidates
-        too_wide = any(s.catalog.trie.max_fanout() > cmax or s.k > self.max_k for s in seqs)
-        if too_wide or n > self.be.max_logit_rows:
+        n = len(seqs)
+        allow_total = sum(len(s.allow) for s in seqs if not s.allow_all)
+        if (n > self.be.max_logit_rows or allow_total > self.max_allow
+                or any(s.catalog.trie.max_fanout() > self.be.max_candidates or s.k > self.max_k for s in seqs)):
             return self.fallback.choose(seqs)
         for seq in seqs:
             self._register(seq.catalog)
-        emitted = np.full((n, self.max_k), -1, np.int32)
-        allow_parts, starts, lens = [], [], []
-        offset = 0
+        f, offset = self.host_fields, 0
         for i, seq in enumerate(seqs):
-            emitted[i, :seq.n_emitted] = seq.emitted[:seq.n_emitted]
-            starts.append(offset)
-            lens.append(-1 if seq.allow_all else len(seq.allow))
+            resident = self.constant.owner == seq.catalog.key
+            f["base"][i] = 0 if resident else self.base[seq.catalog.key]
+            f["const"][i] = resident
+            f["node"][i], f["n_emitted"][i], f["k"][i] = seq.node, seq.n_emitted, seq.k
+            row = self._o_emitted + i * self.max_k
+            self.host_in[row:row + seq.n_emitted] = seq.emitted[:seq.n_emitted]
+            f["allow_start"][i] = offset
+            f["allow_len"][i] = -1 if seq.allow_all else len(seq.allow)
             if not seq.allow_all:
-                allow_parts.append(seq.allow)
+                self.host_in[self._o_allow + offset:self._o_allow + offset + len(seq.allow)] = seq.allow
                 offset += len(seq.allow)
-        host = {"base": [0 if self._resident(s) else self.base[s.catalog.key] for s in seqs],
-                "const": [int(self._resident(s)) for s in seqs], "node": [s.node for s in seqs],
-                "n_emitted": [s.n_emitted for s in seqs], "k": [s.k for s in seqs],
-                "allow_start": starts, "allow_len": lens}
-        st = self.stream
-        for name, values in host.items():
-            self.rows[name][:n].copy_to_device(np.asarray(values, np.int32), stream=st)
-        self.emitted[:n].copy_to_device(emitted, stream=st)
-        if offset:
-            allow = np.concatenate(allow_parts).astype(np.int32)
-            if len(allow) > len(self.allow):
-                self.allow = cuda.to_device(allow)
-            else:
-                self.allow[:len(allow)].copy_to_device(allow, stream=st)
-        r, c = self.rows, self.cand
-        k_mask[n, THREADS, st](self.arena, r["base"], r["const"], r["node"], self.emitted, r["n_emitted"], r["k"],
-                               self.allow, r["allow_start"], r["allow_len"], self.be.cand, c["child"], c["lo"],
-                               c["edge"], self.be.ncand, cmax, r["status"])
+        stream = self.be.stream
+        stream.h2d(self.dev_in, self.host_in, self._o_allow + offset)
+        self.launch_mask.launch(n)
         self.be.launch_sparse(n)
-        k_select[n, THREADS, st](self.be.sparse, cmax, self.be.cand, c["child"], c["lo"], c["edge"], self.be.ncand,
-                                 cmax, r["status"], r["node"], self.emitted, r["n_emitted"], r["done"], r["token"],
-                                 r["edge"], self.logprob)
-        status = r["status"][:n].copy_to_host(stream=st)
-        edges = r["edge"][:n].copy_to_host(stream=st)
-        tokens = r["token"][:n].copy_to_host(stream=st)
-        logprobs = self.logprob[:n].copy_to_host(stream=st)
-        if not SIM:
-            st.synchronize()
-        return [Pick(int(edges[i]), int(tokens[i]), float(logprobs[i])) if status[i] == OK
+        self.launch_select.launch(n)
+        stream.d2h(self.host_out, self.dev_out, len(self.host_out))
+        stream.d2h(self.host_logprob, self.dev_logprob, n)
+        stream.synchronize()
+        rows = self.be.max_logit_rows
+        status, token, edge = (self.host_out[i * rows:i * rows + n] for i in range(3))
+        return [Pick(int(edge[i]), int(token[i]), float(self.host_logprob[i])) if status[i] == OK
                 else empty_mask_message(seq) for i, seq in enumerate(seqs)]
-
-    def _resident(self, seq) -> bool:
-        return self.constant.owner == seq.catalog.key

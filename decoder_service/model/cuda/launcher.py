@@ -79,12 +79,15 @@ class Kernel:
     process loads the cubin instead of recompiling; ``cache_hit`` says which happened.
     """
 
-    def __init__(self, name: str, storage: str):
+    def __init__(self, name: str, storage: str | None = None, *, dispatcher=None, argtypes=None):
+        """A model kernel by name and storage dtype, or any other kernel (the engine's sampler) by its
+        dispatcher and argument types."""
         self.name = name
-        self.dispatcher = KERNELS[name]
-        self.argtypes = signatures(storage)[name]
+        self.dispatcher = KERNELS[name] if dispatcher is None else dispatcher
+        self.argtypes = signatures(storage)[name] if argtypes is None else tuple(argtypes)
         self.func = None
         self.attrs = None
+        self.module = None  # the loaded module: its global symbols (constant memory) live there
         self.cache_hit = None
         self._max_dyn_shared = 48 * 1024
         if SIM:
@@ -94,6 +97,7 @@ class Kernel:
         self.cache_hit = sum(self.dispatcher._cache_hits.values()) > hits_before
         cufunc = compiled._codelibrary.get_cufunc()
         self.attrs = cufunc.attrs
+        self.module = cufunc.module
         handle = cufunc.handle
         if isinstance(handle, drv.CUfunction):
             self.func = handle
