@@ -44,14 +44,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         self.engine, self.catalogs, self.info = engine, catalogs, info
         self.draining = False
 
-    @staticmethod
-    def code_for(exc: Exception) -> grpc.StatusCode:
-        for kind, code in REFUSALS:
-            if isinstance(exc, kind):
-                return code
-        return status_for(exc) or grpc.StatusCode.INTERNAL
-
     def _abort(self, context, code: grpc.StatusCode, message: str):
+        if code == grpc.StatusCode.INTERNAL:
+            log.error("Discover failed: %s", message)
         REQUESTS.labels(code.name).inc()
         RPC_TOTAL.labels(SERVICE, "Discover", code.name).inc()
         context.abort(code, message)
@@ -63,13 +58,13 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            self._abort(context, self.code_for(e), str(e))
+            self._abort(context, status_for(e, REFUSALS), str(e))
         try:
             try:
                 seq = self.engine.submit(rt, request.intent, request.k, list(request.allow) or None,
                                          request.request_id or None, timeout=context.time_remaining())
             except (RequestError, QueueFull) as e:
-                self._abort(context, self.code_for(e), str(e))
+                self._abort(context, status_for(e, REFUSALS), str(e))
             context.add_callback(lambda: self.engine.cancel(seq))
             name, version = rt.key
             log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": seq.request_id})

@@ -33,11 +33,14 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
 ]
 
 
-def status_for(exc: BaseException) -> grpc.StatusCode | None:
-    for kind, code in ERROR_CODES:
+def status_for(exc: BaseException,
+               extra: list[tuple[type[BaseException], grpc.StatusCode]] = ()) -> grpc.StatusCode:
+    """The status an exception leaves as: a service's own mapping first, then the shared one,
+    INTERNAL for anything unexpected."""
+    for kind, code in [*extra, *ERROR_CODES]:
         if isinstance(exc, kind):
             return code
-    return None
+    return grpc.StatusCode.INTERNAL
 
 
 def rpc(service: str):
@@ -51,9 +54,8 @@ def rpc(service: str):
                 return response
             except Exception as exc:  # noqa: BLE001 - every failure must leave as a status
                 code = status_for(exc)
-                if code is None:
+                if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s.%s failed", service, method.__name__)
-                    code = grpc.StatusCode.INTERNAL
                 if code == grpc.StatusCode.UNAVAILABLE:
                     detail = f"redis unavailable: {exc}"
                 else:
