@@ -49,6 +49,15 @@ run: setup model
 test: setup model
 	$(PY) -m pytest -q -p no:cacheprovider
 
+# The benchmark against the PyTorch peer (bench/__main__.py); its extra packages are installed here only.
+BENCH_STAMP := $(VENV)/.bench-stamp
+$(BENCH_STAMP): pyproject.toml $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[test,bench]'
+	touch $@
+
+bench: setup model $(BENCH_STAMP)
+	$(PY) -m bench
+
 bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 

@@ -140,7 +140,7 @@ class DecodeEngine:
             allowed = np.empty(0, np.int32)
             if k > n_tools:
                 raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
-        prompt = catalog.prefix_ids + self._suffix_ids(catalog, intent, k)
+        prompt = catalog.prefix_ids + self.suffix_ids(catalog, intent, k)
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=allowed, allow_all=not allow,
                        deadline=time.monotonic() + timeout if timeout else None)
@@ -167,7 +167,8 @@ class DecodeEngine:
         seq.cancelled = True
         self._post(("wake", None))
 
-    def _suffix_ids(self, catalog: CatalogRuntime, intent: str, k: int) -> list[int]:
+    def suffix_ids(self, catalog: CatalogRuntime, intent: str, k: int) -> list[int]:
+        """The request's own prompt tokens, after the catalog prefix (the intent as plain text)."""
         before, after = catalog.template.suffix.split("{intent}", 1)
         render = lambda text: text.replace("{k}", str(k))  # noqa: E731
         return (self.tok.encode(render(before)) + self._plain.encode(intent, add_special_tokens=False).ids

@@ -1,0 +1,119 @@
+"""The benchmark's outputs: JSON (everything measured), a markdown table, and a PNG chart."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+
+def device_name(gpu: bool) -> str:
+    if gpu:
+        from numba import cuda
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return f"cpu ({os.cpu_count()} cores)"
+
+
+def peer_available() -> bool:
+    return all(importlib.util.find_spec(m) is not None for m in ("torch", "xgrammar"))
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.1f}x" if a and b else "-"
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# tooltrie against the PyTorch peer: {res['device']}, {res['started']}", "",
+             f"Copy bandwidth measured in this run: {res['copy_bandwidth_gbs']:.0f} GB/s. "
+             f"Command: `python3 -m bench` with {json.dumps(res['args'])}.", ""]
+    steps = [(shape, e) for shape, e in res["shapes"].items() if e.get("step")]
+    if steps:
+        lines += ["## Decode step (µs, one captured graph per side; rows at the MetaTool root)", "",
+                  "| shape | floor | batch | unconstrained | constrained | constrained − unconstrained |",
+                  "| --- | --- | --- | --- | --- | --- |"]
+        for shape, e in steps:
+            for s in e["step"]:
+                lines.append(f"| {shape} | {e['floor_us']:.0f} | {s['rows']} | {s['unconstrained_us']:.0f} | "
+                             f"{s['constrained_us']:.0f} | {s['constrained_us'] - s['unconstrained_us']:+.0f} |")
+        lines.append("")
+    lines += ["## Per query (wall clock from submit to the last pointer)", "",
+              "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
+              "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    speedups = []
+    for shape, e in res["shapes"].items():
+        for name, w in e["workloads"].items():
+            t, peer = w["tooltrie"], w.get("peer")
+            c1 = t["concurrency_1"]
+            step1 = next((s["constrained_us"] for s in e.get("step", []) if s["rows"] == 1), None)
+            lines.append(f"| {shape} | {name} | tooltrie | {t['warmup_s']:.2f} | {c1['p50_ms']:.1f} | "
+                         f"{c1['p90_ms']:.1f} | {c1['p99_ms']:.1f} | {c1['ttfp']['p50_ms']:.1f} | "
+                         f"{c1['tokens_per_answer']:.1f} | {step1 if step1 is not None else '-'} | "
+                         f"{t['all_at_once']['qps']:.1f} | 0 |")
+            if peer:
+                p1 = peer["concurrency_1"]
+                batch = next(v for k, v in peer.items() if k.startswith("batch_"))
+                lines.append(f"| {shape} | {name} | peer | {p1['warmup_s']:.2f} | {p1['p50_ms']:.1f} | "
+                             f"{p1['p90_ms']:.1f} | {p1['p99_ms']:.1f} | {p1['ttfp']['p50_ms']:.1f} | "
+                             f"{p1['tokens_per_answer']:.1f} | {p1['decode_step_us']:.0f} | {batch['qps']:.1f} | "
+                             f"{p1['repeats']} |")
+                speedups.append(f"| {shape} | {name} | {_ratio(p1['p50_ms'], c1['p50_ms'])} | "
+                                f"{_ratio(p1['p90_ms'], c1['p90_ms'])} | "
+                                f"{_ratio(t['all_at_once']['qps'], batch['qps'])} |")
+    lines.append("")
+    if speedups:
+        lines += ["## tooltrie's speed-up over the peer", "",
+                  "| shape | workload | p50, concurrency 1 | p90, concurrency 1 | queries/s, all at once |",
+                  "| --- | --- | --- | --- | --- |", *speedups, ""]
+    for shape, e in res["shapes"].items():
+        for name, w in e["workloads"].items():
+            d = w["tooltrie"].get("determinism")
+            if d:
+                lines += ["## Determinism", "",
+                          f"{shape} / {name}: {d['batches']} random shuffled batches, {d['requests']} answers "
+                          f"compared bit for bit with the same query alone: **{d['mismatches']} mismatches**.", ""]
+    return "\n".join(lines)
+
+
+def chart(res: dict, path: Path) -> bool:
+    """Per-query p50 / p90 at concurrency 1 and queries per second, tooltrie beside the peer."""
+    if importlib.util.find_spec("matplotlib") is None:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    labels, ours, peers = [], [], []
+    for shape, e in res["shapes"].items():
+        for name, w in e["workloads"].items():
+            labels.append(f"{shape}\n{name}")
+            t, p = w["tooltrie"], w.get("peer")
+            ours.append((t["concurrency_1"]["p50_ms"], t["concurrency_1"]["p90_ms"], t["all_at_once"]["qps"]))
+            batch = next((v for k, v in (p or {}).items() if k.startswith("batch_")), None)
+            peers.append((p["concurrency_1"]["p50_ms"], p["concurrency_1"]["p90_ms"], batch["qps"]) if p
+                         else (0, 0, 0))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    x = range(len(labels))
+    for ax, i, title in zip(axes, range(3), ("per query p50, concurrency 1 (ms)",
+                                              "per query p90, concurrency 1 (ms)", "all at once (queries/s)")):
+        ax.bar([v - 0.2 for v in x], [o[i] for o in ours], 0.4, label="tooltrie")
+        ax.bar([v + 0.2 for v in x], [p[i] for p in peers], 0.4, label="PyTorch peer + XGrammar")
+        ax.set_xticks(list(x), labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"tooltrie vs the PyTorch peer on {res['device']}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def write(res: dict, out: Path, device: str) -> str:
+    """bench_<device>.json / .md / .png under out; returns the markdown."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"bench_{device}"
+    stem.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    stem.with_suffix(".md").write_text(md + "\n")
+    chart(res, stem.with_suffix(".png"))
+    return md

@@ -1,0 +1,132 @@
+"""The benchmark's workloads and how tooltrie serves them: queries, catalogs, and the engine driver.
+
+MetaTool: the 199-tool catalog under the product's default prompt (every tool listed with its
+description: a 4,955-token prefix with SmolLM2's tokenizer), and 469 dev queries: the first 279 with
+k=1 and all 190 with k=2, in file order. Seal-Tools: 4,076 tools, a trie too big for constant memory
+(the global-memory path); its listing would be ~100k tokens, past any of these models' contexts, so
+its prompt names no tools and the trie alone carries the catalog; the first 469 dev queries.
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from compiler_service.compiler import compile_catalog
+from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
+from shared.catalog import parse_registry
+from shared.prompt import PromptTemplate, default_template
+
+ROOT = Path(__file__).resolve().parents[1]
+N_QUERIES = 469
+
+
+def data_dir() -> Path:
+    """../shared/data beside the checkout, TOOLTRIE_SHARED_DATA, or the copy carried to a GPU machine."""
+    for d in (os.environ.get("TOOLTRIE_SHARED_DATA"), ROOT.parent / "shared" / "data", ROOT / ".gpu_data"):
+        if d and (Path(d) / "metatool" / "catalog.json").exists():
+            return Path(d)
+    raise SystemExit("no tool data: expected ../shared/data beside the checkout (or TOOLTRIE_SHARED_DATA)")
+
+
+@dataclass(frozen=True)
+class Query:
+    intent: str
+    k: int
+
+
+def metatool_queries(lines: list[dict], n_single: int = 279) -> list[Query]:
+    """The first n_single k=1 queries and every k=2 query, in file order."""
+    out, singles = [], 0
+    for q in lines:
+        k = len(q["tools"])
+        if k == 1 and singles < n_single:
+            singles += 1
+            out.append(Query(q["query"], 1))
+        elif k == 2:
+            out.append(Query(q["query"], 2))
+    return out
+
+
+def no_listing_template(tok) -> PromptTemplate:
+    """The default chat prompt without the tool list: the trie alone carries a catalog too big to list."""
+    start, end, stop = tok.chat_format()
+    prefix = (start.format(role="system") + "You route user requests to the tools of a large registry." + end
+              + start.format(role="user"))
+    return PromptTemplate(prefix=prefix, suffix="{intent}\n\nReply with exactly {k} tool name(s), one per line, "
+                          "most relevant first, and nothing else." + end + start.format(role="assistant"),
+                          separator="\n", stop_token=stop)
+
+
+def load_workload(name: str, tok, n: int = N_QUERIES):
+    """(trie, queries) for "metatool" or "sealtools"."""
+    d = data_dir()
+    folder = {"metatool": "metatool", "sealtools": "bigcatalog"}[name]
+    catalog = parse_registry((d / folder / "catalog.json").read_text())
+    lines = [json.loads(line) for line in (d / folder / "dev_queries.jsonl").open()]
+    if name == "metatool":
+        trie = compile_catalog(catalog, tok, default_template(catalog, *tok.chat_format()))
+        queries = metatool_queries(lines)[:n]
+    else:
+        trie = compile_catalog(catalog, tok, no_listing_template(tok))
+        queries = [Query(q["query"], len(q["tools"])) for q in lines[:n]]
+    trie.meta.update(name=name, version=1)
+    return trie, queries
+
+
+class EngineDriver:
+    """Runs a DecodeEngine on its own thread (as the service does) and times requests from outside."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        engine.start()
+
+    def close(self):
+        self.engine.stop()
+
+    def warm(self, trie):
+        started = time.perf_counter()
+        rt = self.engine.load_catalog(trie)
+        rt.ready.wait()
+        return rt, time.perf_counter() - started
+
+    def collect(self, seq, t0):
+        ttfp, names, logprobs = None, [], []
+        for ev in seq:
+            if isinstance(ev, PointerEvent):
+                if ttfp is None:
+                    ttfp = time.perf_counter() - t0
+                names.append(ev.name)
+                logprobs.append(ev.logprob)
+            elif isinstance(ev, FailedEvent):
+                raise RuntimeError(f"request failed: {ev.message}")
+            elif isinstance(ev, DoneEvent):
+                return {"wall_s": time.perf_counter() - t0, "ttfp_s": ttfp, "names": names,
+                        "logprobs": logprobs, "tokens": ev.generated_tokens, "queue_ms": ev.queue_ms,
+                        "prefill_ms": ev.prefill_ms, "decode_ms": ev.decode_ms}
+
+    def one_by_one(self, rt, queries):
+        """Concurrency 1: each query submitted after the previous one finished."""
+        out = []
+        for q in queries:
+            t0 = time.perf_counter()
+            out.append(self.collect(self.engine.submit(rt, q.intent, q.k), t0))
+        return out
+
+    def all_at_once(self, rt, queries):
+        """Every query submitted at once; (results, seconds until the last one finished)."""
+        t0 = time.perf_counter()
+        seqs = [self.engine.submit(rt, q.intent, q.k) for q in queries]
+        results = [None] * len(seqs)
+
+        def collect(i):
+            results[i] = self.collect(seqs[i], t0)
+        threads = [threading.Thread(target=collect, args=(i,)) for i in range(len(seqs))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results, time.perf_counter() - t0
