@@ -295,6 +295,8 @@ def main() -> None:
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours}
             runs[name] = (trie, prompt, names)
+            res["shapes"][shape] = entry
+            report.write(res, Path(args.out), device)  # partial results survive a run cut short
         if peer_ok:
             for name, peer in run_peer(cfg, weights, tok, runs, args.peer_rows).items():
                 entry["workloads"][name]["peer"] = peer
