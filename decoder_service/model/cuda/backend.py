@@ -249,7 +249,7 @@ class CudaBackend:
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                     nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
                                     l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
-            layer["attn"] = Launch(k["k_attn"], self.t_attn, (hd + self.t_attn) * 4,
+            layer["attn"] = Launch(k["k_attn"], self.t_attn, (hd + 9 * self.t_attn) * 4,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                     nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq, self.attn_part,

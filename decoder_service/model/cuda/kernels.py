@@ -34,7 +34,7 @@ from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
 MAX_TILE = 256          # attention tile (= its block size) upper bound; static shared array size
-MAX_SPLITS = 16         # attention: at most this many context splits per (row, head)
+MAX_SPLITS = 32         # attention: at most this many context splits per (row, head)
 
 if SIM:  # ------------------------------------------------------------------ simulator twins
     import threading
@@ -530,30 +530,57 @@ def qk8(s, qs, c, k):
 
 
 @cuda.jit(device=True, inline="always")
-def pv_tile(a, sh, wo, base_s, vc, d, cnt):
-    """a + sum_j w[j] * V[j][d] over the tile's positions j = 0..cnt-1 in ascending order, with four
-    V loads in flight (a missing block, base -1, contributes nothing and is never read)."""
-    j = 0
+def axpy8(a, w, v):
+    """a + w * v for 8-tuples a and v."""
+    return (a[0] + w * v[0], a[1] + w * v[1], a[2] + w * v[2], a[3] + w * v[3],
+            a[4] + w * v[4], a[5] + w * v[5], a[6] + w * v[6], a[7] + w * v[7])
+
+
+@cuda.jit(device=True, inline="always")
+def pv_tile(sh, wo, base_s, vc, ro, tid, hd, cnt):
+    """This thread's share of sum_j w[j] * V[j] over the tile's cnt positions (weights w at sh[wo:]).
+    Thread (g, c) takes the 8 dims of chunk c (one 16-byte load per position) over positions g, g + G,
+    g + 2G, ... in ascending order, four loads in flight, G = threads // (hd / 8) groups, and writes its
+    8 sums to sh[ro + g * hd + 8c ...]; tile_sum adds them over g in ascending order. A missing block
+    (base -1) contributes nothing and is never read."""
+    c8 = hd // 8
+    G = cuda.blockDim.x // c8
+    g = tid // c8
+    if g >= G:
+        return
+    o = (tid - g * c8) * 8
+    z = np.float32(0.0)
+    a = (z, z, z, z, z, z, z, z)
     last = cnt - 1
+    j = g
     while j < cnt:
-        b0 = base_s[j]
-        b1 = base_s[min(j + 1, last)]
-        b2 = base_s[min(j + 2, last)]
-        b3 = base_s[min(j + 3, last)]
-        v0 = ldf(vc, max(b0, 0) + d)
-        v1 = ldf(vc, max(b1, 0) + d)
-        v2 = ldf(vc, max(b2, 0) + d)
-        v3 = ldf(vc, max(b3, 0) + d)
+        j1, j2, j3 = min(j + G, last), min(j + 2 * G, last), min(j + 3 * G, last)
+        b0, b1, b2, b3 = base_s[j], base_s[j1], base_s[j2], base_s[j3]
+        v0 = ld8(vc, max(b0, 0) + o)
+        v1 = ld8(vc, max(b1, 0) + o)
+        v2 = ld8(vc, max(b2, 0) + o)
+        v3 = ld8(vc, max(b3, 0) + o)
         if b0 >= 0:
-            a += sh[wo + j] * v0
-        if j + 1 < cnt and b1 >= 0:
-            a += sh[wo + j + 1] * v1
-        if j + 2 < cnt and b2 >= 0:
-            a += sh[wo + j + 2] * v2
-        if j + 3 < cnt and b3 >= 0:
-            a += sh[wo + j + 3] * v3
-        j += 4
-    return a
+            a = axpy8(a, sh[wo + j], v0)
+        if j + G < cnt and b1 >= 0:
+            a = axpy8(a, sh[wo + j1], v1)
+        if j + 2 * G < cnt and b2 >= 0:
+            a = axpy8(a, sh[wo + j2], v2)
+        if j + 3 * G < cnt and b3 >= 0:
+            a = axpy8(a, sh[wo + j3], v3)
+        j += 4 * G
+    r = ro + g * hd + o
+    for i in range(8):
+        sh[r + i] = a[i]
+
+
+@cuda.jit(device=True, inline="always")
+def tile_sum(sh, off, groups, hd, d):
+    """pv_tile's partial sums of dim d, added over the groups in ascending order."""
+    t = np.float32(0.0)
+    for g in range(groups):
+        t += sh[off + g * hd + d]
+    return t
 
 
 @cuda.jit(device=True, inline="always")
@@ -750,10 +777,11 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
     A row's context is cut into ns <= maxs splits of whole T-position tiles, a function of that row's
     context length alone (never of the batch). In a split, tiles run in ascending order with an online
     softmax: thread t scores position t of the tile (head_dim dot, ascending); tile max and sum are
-    fixed block trees; thread d accumulates dims d and d+T over the tile's positions in ascending
-    order. One split writes the output directly. With several, each writes (max, sum, acc) partials;
+    fixed block trees; pv_tile sums weight x V over the tile's positions in fixed groups of threads
+    (16-byte V loads), added over the groups in ascending order, into an accumulator per dim that the
+    tile's max rescales. One split writes the output directly. With several, each writes (max, sum, acc) partials;
     the block that finishes last (a counter per row and head) merges them in ascending split order,
-    so whichever block that is, the arithmetic is the same. Dynamic shared: hd + T floats.
+    so whichever block that is, the arithmetic is the same. Dynamic shared: hd + 9T floats.
     Grid (R, nh, max splits over the batch); blocks beyond their row's ns return at once.
     """
     sh = cuda.shared.array(0, nb_f32)
@@ -819,10 +847,14 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
         alpha = math.exp(m - m_new)
         l = l * alpha + tsum
         cnt = min(T, p_end - t0)
+        cuda.syncthreads()
+        pv_tile(sh, hd, base_s, vc, hd + T, tid, hd, cnt)
+        cuda.syncthreads()
+        groups = T // (hd // 8)
         if tid < hd:
-            acc0 = pv_tile(acc0 * alpha, sh, hd, base_s, vc, tid, cnt)
+            acc0 = acc0 * alpha + tile_sum(sh, hd + T, groups, hd, tid)
         if d1 < hd:
-            acc1 = pv_tile(acc1 * alpha, sh, hd, base_s, vc, d1, cnt)
+            acc1 = acc1 * alpha + tile_sum(sh, hd + T, groups, hd, d1)
         m = m_new
         cuda.syncthreads()
     ob = np.int64(r) * out_stride + h * hd
