@@ -297,7 +297,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
                 continue
             for pf in (0, 1):
                 launches = []
-                for lz, _g in base:
+                for lz, *_ in base:
                     args = list(lz.args)
                     args[16] = pf
                     nl = Launch(gemv_k, threads, lz.shmem, args, be.stream.handle, lz.name)

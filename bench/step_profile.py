@@ -66,8 +66,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
                 elif kind == "attn":
                     layer["attn"].launch(R, nh, gz)
                 else:
-                    lz, gx = layer[kind + suffix]
-                    lz.launch(gx, gy)
+                    be.launch_tiles(layer[kind + suffix], gy)
         ms, _ = timer.graph_ms(body, reps=9)
         out[kind] = ms * 1e3 / len(be.layers)
     ms, _ = timer.graph_ms(lambda: be.launch_forward(R, len(batch.logit_rows)), reps=9)

@@ -199,16 +199,17 @@ class CudaBackend:
             return self.gemv_threads
         return 128 if n_rows * kp * self.np_dtype.itemsize < 12e6 else 256
 
-    def _gemv_grid(self, kernel: Kernel, threads: int, n_out_rows: int, shmem: int) -> int:
-        """Blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond)."""
+    def _gemv_grid(self, kernel: Kernel, threads: int, n_out_rows: int, shmem: int) -> tuple[int, int]:
+        """(blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond);
+        the resident wave)."""
         nw = threads // WARP
         need = -(-((n_out_rows + 1) // 2) // nw)
         cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(threads, shmem)))
-        return max(1, min(need, cap))
+        return max(1, min(need, cap)), cap
 
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
                    bias, use_bias: int, out, out_stride: int, mode: int):
-        """(launch, grid_x) for one row and for 4-row tiles of the same matrix-vector product."""
+        """(launch, grid_x, resident wave) for one row and for 4-row tiles of the same product."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
         args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
@@ -219,7 +220,7 @@ class CudaBackend:
         l1 = Launch(k1, t, kp * 4, args, st, name)
         l4 = Launch(k4, t, 4 * kp * 4, args + [self.n_rows if name != "dense_head" else self.n_logit],
                     st, name + "/4")
-        return (l1, self._gemv_grid(k1, t, N, kp * 4)), (l4, self._gemv_grid(k4, t, N, 4 * kp * 4))
+        return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (l4, *self._gemv_grid(k4, t, N, 4 * kp * 4))
 
     def _build_launches(self) -> None:
         cfg, k, st = self.cfg, self.kernels, self.stream.handle
@@ -319,9 +320,9 @@ class CudaBackend:
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
-        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element). max_ctx bounds
-        every row's position + 1 (default: the last staged batch's); a graph captured for a bound
-        serves every batch within it."""
+        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element; launch_tiles).
+        max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
+        for a bound serves every batch within it."""
         nq, nh = self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_heads
         gz = self.attn_splits(self._max_ctx if max_ctx is None else max_ctx)
         if R == 1:
@@ -332,27 +333,29 @@ class CudaBackend:
         kq, ko, kg, kd = keys
         self.l_embed.launch(R)
         for layer in self.layers:
-            lz, gx = layer[kq]
-            lz.launch(gx, gy)
+            self.launch_tiles(layer[kq], gy)
             layer["rope"].launch(R, nq)
             layer["attn"].launch(R, nh, gz)
-            lz, gx = layer[ko]
-            lz.launch(gx, gy)
-            lz, gx = layer[kg]
-            lz.launch(gx, gy)
-            lz, gx = layer[kd]
-            lz.launch(gx, gy)
+            for key in (ko, kg, kd):
+                self.launch_tiles(layer[key], gy)
         if N:
             self.l_final.launch(N)
 
+    @staticmethod
+    def launch_tiles(gemv: tuple, tiles: int) -> None:
+        """A (launch, grid_x, wave) GEMV over `tiles` row tiles: grid_x blocks per tile, fewer where the
+        tiles together would exceed two resident waves, so that a block stages (and normalises) its
+        rows once for more output rows. The arithmetic of an output element does not depend on which
+        block computes it."""
+        lz, gx, wave = gemv
+        lz.launch(min(gx, max(1, -(-2 * wave // tiles))), tiles)
+
     def launch_dense(self, N: int) -> None:
         if N == 1:
-            lz, gx = self.l_dense
-            lz.launch(gx, 1)
+            self.launch_tiles(self.l_dense, 1)
         elif N > 1:
             self.n_logit.value = N
-            lz, gx = self.l_dense4
-            lz.launch(gx, -(-N // 4))
+            self.launch_tiles(self.l_dense4, -(-N // 4))
 
     def stage_candidates(self, cand: np.ndarray, n: np.ndarray) -> None:
         """cand int32 [N, C <= max_candidates], n int32 [N] into `cand` (row stride max_candidates)."""
