@@ -50,7 +50,7 @@ def markdown(res: dict) -> str:
             lines.append(f"| {shape} | {name} | tooltrie | {t['warmup_s']:.2f} | {c1['p50_ms']:.1f} | "
                          f"{c1['p90_ms']:.1f} | {c1['p99_ms']:.1f} | {c1['ttfp']['p50_ms']:.1f} | "
                          f"{c1['tokens_per_answer']:.1f} | {step1 if step1 is not None else '-'} | "
-                         f"{t['all_at_once']['qps']:.1f} | 0 |")
+                         f"{t['all_at_once']['qps']:.1f} | {w['queries'] - t['exactly_k']} |")  # not k distinct
             if peer:
                 p1 = peer["concurrency_1"]
                 batch = next(v for k, v in peer.items() if k.startswith("batch_"))

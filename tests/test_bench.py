@@ -1,0 +1,43 @@
+"""The benchmark's own pieces that run without a GPU: the query set the issue fixes (469 MetaTool dev
+queries: the first 279 with k=1 and all 190 with k=2, in file order) and the report, which must
+render the recorded H200 run exactly as it was written (tables and ratios come from the JSON alone)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bench import report
+from bench.workload import data_dir, metatool_queries
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_metatool_queries_are_the_first_279_single_and_all_190_double_in_file_order():
+    lines = [json.loads(line) for line in (data_dir() / "metatool" / "dev_queries.jsonl").open()]
+    queries = metatool_queries(lines)
+    assert len(queries) == 469
+    assert sum(q.k == 1 for q in queries) == 279 and sum(q.k == 2 for q in queries) == 190
+    assert sum(len(q["tools"]) == 2 for q in lines) == 190
+    positions = [next(i for i, line in enumerate(lines) if line["query"] == q.intent) for q in queries]
+    assert positions == sorted(positions)
+    last_single = max(p for p, q in zip(positions, queries) if q.k == 1)
+    assert sum(len(line["tools"]) == 1 for line in lines[:last_single + 1]) == 279
+
+
+def test_report_renders_the_recorded_h200_run_as_written():
+    res = json.loads((RESULTS / "bench_h200.json").read_text())
+    md = report.markdown(res)
+    assert md + "\n" == (RESULTS / "bench_h200.md").read_text()
+    assert "| smollm2-135m | metatool | 1.6x | 1.8x | 4.1x |" in md
+    assert "**0 mismatches**" in md
+
+
+def test_report_of_a_run_without_the_peer_has_no_peer_rows_and_no_ratios(tmp_path):
+    res = json.loads((RESULTS / "bench_h200.json").read_text())
+    for shape in res["shapes"].values():
+        for w in shape["workloads"].values():
+            w.pop("peer", None)
+    md = report.write(res, tmp_path, "test")
+    assert (tmp_path / "bench_test.json").exists() and (tmp_path / "bench_test.md").read_text() == md + "\n"
+    assert "speed-up over the peer" not in md and "| peer |" not in md
+    assert "| smollm2-135m | metatool | tooltrie |" in md
