@@ -35,6 +35,8 @@ SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
 MAX_TILE = 256          # attention tile (= its block size) upper bound; static shared array size
 MAX_SPLITS = 32         # attention: at most this many context splits per (row, head)
+ATTN_REGISTERS = 64   # k_attn's register cap: more resident blocks per SM (perf_log.md, b6)
+_ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
 
 if SIM:  # ------------------------------------------------------------------ simulator twins
     import threading
@@ -769,7 +771,7 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
             stf(vc, kb + i, qkv[vsrc + i])
 
 
-@cuda.jit(cache=True)
+@cuda.jit(cache=True, **_ATTN_JIT)
 def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
            out, out_stride, part, counters, maxs):
     """Causal GQA attention over the paged pool, positions 0..pos: one block per (row, q head, split).
