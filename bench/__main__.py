@@ -277,7 +277,7 @@ def main() -> None:
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
     for si, shape in enumerate(args.shapes.split(",")):
         cfg, weights, what = model_for(shape, gpu)
-        entry = {"weights": what, "weight_bytes": weights.nbytes(),
+        entry = {"args": vars(args), "started": res["started"], "weights": what, "weight_bytes": weights.nbytes(),
                  "floor_us": round(weights.nbytes() / (bw * 1e9) * 1e6, 1), "workloads": {}}
         log(f"{shape} ({what} weights, {weights.nbytes() / 1e6:.0f} MB): floor {entry['floor_us']:.0f} µs")
         ctx_blocks = -(-cfg.max_position_embeddings // BLOCK)

@@ -25,8 +25,10 @@ def _ratio(a, b) -> str:
 
 def markdown(res: dict) -> str:
     lines = [f"# tooltrie against the PyTorch peer: {res['device']}, {res['started']}", "",
-             f"Copy bandwidth measured in this run: {res['copy_bandwidth_gbs']:.0f} GB/s. "
-             f"Command: `python3 -m bench` with {json.dumps(res['args'])}.", ""]
+             f"Copy bandwidth measured in the last run: {res['copy_bandwidth_gbs']:.0f} GB/s. Each shape's "
+             f"run (`python3 -m bench` with these arguments; `--merge` adds a shape to an earlier run):", ""]
+    lines += [f"- {shape}, {e.get('started', res['started'])}: {json.dumps(e.get('args', res['args']))}"
+              for shape, e in res["shapes"].items()] + [""]
     steps = [(shape, e) for shape, e in res["shapes"].items() if e.get("step")]
     if steps:
         lines += ["## Decode step (µs, one captured graph per side; rows at the MetaTool root)", "",
