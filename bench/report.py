@@ -32,13 +32,19 @@ def markdown(res: dict) -> str:
     steps = [(shape, e) for shape, e in res["shapes"].items() if e.get("step")]
     if steps:
         lines += ["## Decode step (µs, one captured graph per side; rows at the MetaTool root)", "",
-                  "| shape | floor | batch | unconstrained | constrained | constrained − unconstrained |",
-                  "| --- | --- | --- | --- | --- | --- |"]
+                  "| shape | floor | batch | unconstrained | constrained | constrained − unconstrained | "
+                  "launches (unconstrained / constrained) |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
         for shape, e in steps:
             for s in e["step"]:
+                launches = " / ".join(map(str, s.get("graph_nodes") or ["-"]))
                 lines.append(f"| {shape} | {e['floor_us']:.0f} | {s['rows']} | {s['unconstrained_us']:.0f} | "
-                             f"{s['constrained_us']:.0f} | {s['constrained_us'] - s['unconstrained_us']:+.0f} |")
+                             f"{s['constrained_us']:.0f} | {s['constrained_us'] - s['unconstrained_us']:+.0f} | "
+                             f"{launches} |")
         lines.append("")
+        lines += [f"Device memory in use after the {shape} runs: {e['device_memory_used_gib']:.1f} GiB (weights, "
+                  f"the KV pool, step buffers; tooltrie allocates them all at start-up)."
+                  for shape, e in steps if "device_memory_used_gib" in e] + [""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",
               "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
               "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",
