@@ -42,8 +42,8 @@ def markdown(res: dict) -> str:
                              f"{s['constrained_us']:.0f} | {s['constrained_us'] - s['unconstrained_us']:+.0f} | "
                              f"{launches} |")
         lines.append("")
-        lines += [f"Device memory in use after the {shape} runs: {e['device_memory_used_gib']:.1f} GiB (weights, "
-                  f"the KV pool, step buffers; tooltrie allocates them all at start-up)."
+        lines += [f"Device memory in use after the {shape} runs: {e['device_memory_used_gib']:.1f} GiB (tooltrie's "
+                  f"weights, KV pool and step buffers, and the peer's CUDA context where it ran)."
                   for shape, e in steps if "device_memory_used_gib" in e] + [""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",
               "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
