@@ -189,5 +189,14 @@ def test_step_batch_from_chunks_and_validation():
         b.validate(4, 4, vocab_size=8)
     with pytest.raises(ModelError, match=r"block_tables\[0\]: positions up to 4 need 3 valid block ids"):
         b.validate(block_size=2, num_blocks=4, vocab_size=10)
+    with pytest.raises(ModelError, match=r"block_tables\[0\]: positions up to 4 need 2 valid block ids in "
+                                         r"\[0, 3\), got \[3, 1\]"):
+        b.validate(block_size=4, num_blocks=3, vocab_size=10)        # block 3 is past the pool
+    holes = np.array([[3, 1], [-1, 2]], np.int32)
+    with pytest.raises(ModelError, match=r"block_tables\[1\]: positions up to 2 need 1 valid block ids in "
+                                         r"\[0, 4\), got \[-1\]"):
+        StepBatch.from_chunks([(1, [5, 6, 7], 0)], holes).validate(4, 4, 10)   # a missing block
+    unused = np.array([[-1, -1], [0, 2]], np.int32)   # slot 0 has no rows here: its table is not read
+    StepBatch.from_chunks([(1, [5, 6, 7], 4)], unused).validate(4, 4, 10)
     with pytest.raises(ModelError, match="same \\(slot, position\\)"):
         StepBatch.from_chunks([(0, [1], 0), (0, [1], 0)], table).validate(4, 4, 10)

@@ -12,6 +12,8 @@ from collections import deque
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.sequence import Sequence, State
 
+_NO_BLOCKS: list[int] = []   # never mutated
+
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, block_size: int, max_seqs: int, chunk_size: int,
@@ -63,8 +65,10 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def block_table_row(self, seq: Sequence) -> list[int]:
-        return seq.blocks if seq.warmup else seq.catalog.shared_blocks + seq.blocks
+    def prefix_blocks(self, seq: Sequence) -> list[int]:
+        """The blocks before the sequence's own in its block table: its catalog's shared prefix (none for
+        the warm-up that computes that prefix)."""
+        return _NO_BLOCKS if seq.warmup else seq.catalog.shared_blocks
 
     def plan(self) -> list[tuple[Sequence, list[int], int]]:
         """This step's chunks: (sequence, tokens, first position), decodes first, then prefill."""

@@ -64,14 +64,20 @@ class StepBatch:
         if self.logit_rows.ndim != 1 or (len(self.logit_rows) and
                                          (self.logit_rows.min() < 0 or self.logit_rows.max() >= r)):
             raise ModelError(f"StepBatch.logit_rows: must be row indices in [0, {r})")
-        # Every position 0..max of every slot used must map to a valid block.
-        for slot in np.unique(self.slots):
-            last = int(self.positions[self.slots == slot].max())
-            blocks = self.block_tables[slot, : last // block_size + 1]
-            if len(blocks) <= last // block_size or blocks.min() < 0 or blocks.max() >= num_blocks:
-                raise ModelError(f"StepBatch.block_tables[{slot}]: positions up to {last} need "
-                                 f"{last // block_size + 1} valid block ids in [0, {num_blocks}), "
-                                 f"got {blocks.tolist()}")
+        # Every position 0..max of every slot used must map to a valid block (one pass over the
+        # table: a per-slot loop cost ~1 ms a step at 256 decode rows).
+        last = np.full(len(self.block_tables), -1, np.int64)
+        np.maximum.at(last, self.slots, self.positions)
+        need = np.where(last >= 0, last // block_size + 1, 0)
+        width = self.block_tables.shape[1]
+        used = np.arange(width) < need[:, None]
+        bad_entry = used & ((self.block_tables < 0) | (self.block_tables >= num_blocks))
+        bad = (need > width) | bad_entry.any(axis=1)
+        if bad.any():
+            slot = int(np.argmax(bad))
+            blocks = self.block_tables[slot, : need[slot]]
+            raise ModelError(f"StepBatch.block_tables[{slot}]: positions up to {last[slot]} need "
+                             f"{need[slot]} valid block ids in [0, {num_blocks}), got {blocks.tolist()}")
         keys = self.slots.astype(np.int64) << 32 | self.positions
         if len(np.unique(keys)) != r:
             raise ModelError("StepBatch: two rows write the same (slot, position)")
