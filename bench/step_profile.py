@@ -54,21 +54,18 @@ def profile(be, timer, batch: StepBatch) -> dict:
     be.stage(batch)
     be.synchronize()
     out = {}
-    nq, nh = be.cfg.num_heads + be.cfg.num_kv_heads, be.cfg.num_heads
-    gz = be.attn_splits(int(batch.positions.max()) + 1)
-    suffix = "" if R == 1 else "/4"
-    if R > 1:
-        be.n_rows.value = R
-    gy = 1 if R == 1 else -(-R // 4)
+    nq = be.cfg.num_heads + be.cfg.num_kv_heads
+    attn = be.attn_grid(R, int(batch.positions.max()) + 1)
+    gemv, tiles = be.row_tiles(R)
     for kind in KINDS:
         def body(kind=kind):
             for layer in be.layers:
                 if kind == "rope":
                     layer["rope"].launch(R, nq)
                 elif kind == "attn":
-                    layer["attn"].launch(R, nh, gz)
+                    layer["attn"].launch(*attn)
                 else:
-                    be.launch_tiles(layer[kind + suffix], gy)
+                    be.launch_tiles(layer[gemv[kind]], tiles)
         ms, _ = timer.graph_ms(body, reps=9)
         out[kind] = ms * 1e3 / len(be.layers)
     ms, _ = timer.graph_ms(lambda: be.launch_forward(R, len(batch.logit_rows)), reps=9)
@@ -102,7 +99,7 @@ def attention_variants(be, timer, per_seq: int, caps: list[int]) -> None:
         batch = (prefill_batch if case == "prefill" else decode_batch)(R, prefix, per_seq)
         be.forward(batch)   # q for the rows, and their own K/V written
         be.synchronize()
-        grid = (R, be.cfg.num_heads, be.attn_splits(int(batch.positions.max()) + 1))
+        grid = be.attn_grid(R, int(batch.positions.max()) + 1)
         ref = None
         for name, launches in variants:
             ms, _ = timer.graph_ms(lambda launches=launches: [lz.launch(*grid) for lz in launches], reps=9)

@@ -37,7 +37,7 @@ def engine(backend, tok):
 def catalog(engine, tok):
     rt = engine.load_catalog(metatool_trie(tok, first=40))
     engine.run_until_idle()
-    assert rt.ready.is_set() and rt.shared_blocks
+    assert rt.ready.is_set() and len(rt.shared_blocks)
     return rt
 
 

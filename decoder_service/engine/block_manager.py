@@ -32,6 +32,6 @@ class BlockManager:
         for b in blocks:
             self.refs[b] -= 1
             if self.refs[b] == 0:
-                self.free.append(b)
+                self.free.append(int(b))
             elif self.refs[b] < 0:
                 raise RuntimeError(f"KV block {b} released more often than held")

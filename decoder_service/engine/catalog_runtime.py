@@ -23,7 +23,9 @@ class CatalogRuntime:
     template: PromptTemplate
     prefix_ids: list[int]
     block_size: int
-    shared_blocks: list[int] = field(default_factory=list)  # KV of prefix_ids[:shared_tokens]
+    # KV of prefix_ids[:shared_tokens]; an int32 array, set once by the warm-up, so that every step's
+    # block tables copy it as it is
+    shared_blocks: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
 

@@ -225,17 +225,9 @@ class DecodeEngine:
         return True
 
     def _batch(self, chunks) -> StepBatch:
-        """The step's rows, with block tables for just the sequences in it (table row i: chunk i's).
-        A catalog's shared prefix blocks become an array once a step, not once a row (at 256 rows a
-        list per row cost over a millisecond of host time a step)."""
-        prefixes: dict[int, np.ndarray] = {}
-        parts = []
-        for seq, _, _ in chunks:
-            prefix = self.scheduler.prefix_blocks(seq)
-            arr = prefixes.get(id(prefix))
-            if arr is None:
-                arr = prefixes[id(prefix)] = np.asarray(prefix, np.int32)
-            parts.append((arr, seq.blocks))
+        """The step's rows, with block tables for just the sequences in it (table row i: chunk i's):
+        the catalog's shared prefix blocks (an array: copied by one slice) then the sequence's own."""
+        parts = [(self.scheduler.prefix_blocks(seq), seq.blocks) for seq, _, _ in chunks]
         tables = np.full((len(parts), max(len(p) + len(own) for p, own in parts)), -1, np.int32)
         for i, (prefix, own) in enumerate(parts):
             tables[i, :len(prefix)] = prefix
@@ -244,7 +236,8 @@ class DecodeEngine:
 
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog
-        rt.shared_blocks, seq.blocks = seq.blocks, []  # the version now holds the blocks' reference
+        # the version now holds the blocks' reference
+        rt.shared_blocks, seq.blocks = np.asarray(seq.blocks, np.int32), []
         self.scheduler.release(seq)
         seq.state = State.FINISHED
         rt.warm_seconds = time.monotonic() - seq.t_submit

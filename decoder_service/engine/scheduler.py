@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.sequence import Sequence, State
 
-_NO_BLOCKS: list[int] = []   # never mutated
+_NO_BLOCKS = np.empty(0, np.int32)
 
 
 class Scheduler:
@@ -65,7 +67,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
-    def prefix_blocks(self, seq: Sequence) -> list[int]:
+    def prefix_blocks(self, seq: Sequence) -> np.ndarray:
         """The blocks before the sequence's own in its block table: its catalog's shared prefix (none for
         the warm-up that computes that prefix)."""
         return _NO_BLOCKS if seq.warmup else seq.catalog.shared_blocks

@@ -323,23 +323,33 @@ class CudaBackend:
         row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element; launch_tiles).
         max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
         for a bound serves every batch within it."""
-        nq, nh = self.cfg.num_heads + self.cfg.num_kv_heads, self.cfg.num_heads
-        gz = self.attn_splits(self._max_ctx if max_ctx is None else max_ctx)
-        if R == 1:
-            keys, gy = ("qkv", "o", "gate_up", "down"), 1
-        else:
-            keys, gy = ("qkv/4", "o/4", "gate_up/4", "down/4"), -(-R // 4)
-            self.n_rows.value = R
-        kq, ko, kg, kd = keys
+        nq = self.cfg.num_heads + self.cfg.num_kv_heads
+        attn = self.attn_grid(R, self._max_ctx if max_ctx is None else max_ctx)
+        gemv, tiles = self.row_tiles(R)
         self.l_embed.launch(R)
         for layer in self.layers:
-            self.launch_tiles(layer[kq], gy)
+            self.launch_tiles(layer[gemv["qkv"]], tiles)
             layer["rope"].launch(R, nq)
-            layer["attn"].launch(R, nh, gz)
-            for key in (ko, kg, kd):
-                self.launch_tiles(layer[key], gy)
+            layer["attn"].launch(*attn)
+            for key in ("o", "gate_up", "down"):
+                self.launch_tiles(layer[gemv[key]], tiles)
         if N:
             self.l_final.launch(N)
+
+    _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
+    _FOUR_ROWS = {k: k + "/4" for k in _ONE_ROW}
+
+    def row_tiles(self, R: int) -> tuple[dict, int]:
+        """The GEMV launches for R rows (layer key of each matrix) and their row tiles: the one-row
+        kernels for one row, 4-row tiles beyond (and `n_rows` set for them)."""
+        if R == 1:
+            return self._ONE_ROW, 1
+        self.n_rows.value = R
+        return self._FOUR_ROWS, -(-R // 4)
+
+    def attn_grid(self, R: int, max_ctx: int) -> tuple[int, int, int]:
+        """Attention's grid for R rows whose positions + 1 are at most max_ctx: (rows, heads, splits)."""
+        return R, self.cfg.num_heads, self.attn_splits(max_ctx)
 
     @staticmethod
     def launch_tiles(gemv: tuple, tiles: int) -> None:
