@@ -46,7 +46,7 @@ def decode_batch(rows: int) -> StepBatch:
     tables = np.arange(rows * per_seq, dtype=np.int32).reshape(rows, per_seq)
     return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.arange(rows, dtype=np.int32),
                      positions=np.full(rows, CTX - 1, np.int32), block_tables=tables,
-                     logit_rows=np.arange(rows, dtype=np.int32))
+                     logit_rows=np.arange(rows, dtype=np.int32), decode_rows=rows)
 
 
 def cuda_sides(be, trie, rows):

@@ -251,7 +251,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
         "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers],
                             4 * 2 * (cfg.q_size + 2 * cfg.kv_size) + 2 * kv_row, False),
-        "attention": ([lambda lz=ly["attn"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
+        "attention": ([lambda lz=ly["attn_rows"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
                       2 * ctx * kv_row + 8 * cfg.q_size, False),
         "o_proj + residual": (gemv("o"), H * cfg.q_size * isz + 4 * cfg.q_size + 8 * H, True),
         "gate_up + SwiGLU": (gemv("gate_up"), 2 * I * H * isz + 4 * H + 4 * I, True),
@@ -408,12 +408,12 @@ def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_pr
     for label, maxs in (("split", None), ("one block per head (no split)", 1)):
         calls = []
         for ly in be.layers:
-            lz = ly["attn"]
+            lz = ly["attn_rows"]
             if maxs is not None:
                 args = list(lz.args)
                 args[-1] = maxs
                 lz = Launch(lz.kernel, lz.block, lz.shmem, args, be.stream.handle, lz.name)
-            gz = be.attn_splits(n_prompt + 1) if maxs is None else 1
+            gz = be.attn_grids(n_prompt + 1)[0][2] if maxs is None else 1
             calls.append(lambda lz=lz, gz=gz: lz.launch(1, nh, gz))
         msk, _ = tm.graph_ms(lambda: (flush(), [c() for c in calls]))
         out[f"attn_ctx1024_us ({label})"] = (msk - t_flush) * 1e3 / len(calls)

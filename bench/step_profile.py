@@ -1,18 +1,20 @@
 """Where a multi-row forward step spends its time, kernel kind by kernel kind (CUDA only).
 
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
-    python3 bench/step_profile.py --rows 64 --prefix 4955 --attention-regs 0,80,72,64,56
+    python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
 
 One sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R
 sequences each decode one row at position P (the all-at-once shape). For each kind of launch, a graph
 of that launch for every layer is replayed (warm L2, as in a real step) and its median CUDA-event time
 is divided by the layers; the last column is the whole forward pass. Random bf16 weights.
-With --attention-regs, only attention, compiled under each register cap, on random K/V (perf log b6).
+With --attention-regs / --attention-splits, only attention, compiled under each register cap or with
+each split size, on random K/V, against a float64 attention (perf log b6, a1).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -46,7 +48,7 @@ def decode_batch(rows: int, prefix: int, per_seq: int) -> StepBatch:
     tables[:, shared:shared + own] = shared + np.arange(rows * own).reshape(rows, own)
     return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.arange(rows, dtype=np.int32),
                      positions=np.full(rows, prefix, np.int32), block_tables=tables,
-                     logit_rows=np.arange(rows, dtype=np.int32))
+                     logit_rows=np.arange(rows, dtype=np.int32), decode_rows=rows)
 
 
 def profile(be, timer, batch: StepBatch) -> dict:
@@ -55,7 +57,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
     be.synchronize()
     out = {}
     nq = be.cfg.num_heads + be.cfg.num_kv_heads
-    attn = be.attn_grid(R, int(batch.positions.max()) + 1)
+    attn = be.attn_grids(int(batch.positions.max()) + 1)
     gemv, tiles = be.row_tiles(R)
     for kind in KINDS:
         def body(kind=kind):
@@ -63,7 +65,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
                 if kind == "rope":
                     layer["rope"].launch(R, nq)
                 elif kind == "attn":
-                    layer["attn"].launch(*attn)
+                    be.launch_attention(layer, attn)
                 else:
                     be.launch_tiles(layer[gemv[kind]], tiles)
         ms, _ = timer.graph_ms(body, reps=9)
@@ -73,47 +75,106 @@ def profile(be, timer, batch: StepBatch) -> dict:
     return out
 
 
-def attention_variants(be, timer, per_seq: int, caps: list[int]) -> None:
-    """k_attn compiled with register caps (0: none; a lower cap, more resident blocks per SM) on the
-    same inputs: µs per layer, and whether each variant's output is bit-identical to the first."""
+def reference_attention(be, batch: StepBatch, layer: int) -> np.ndarray:
+    """float64 attention of the batch's rows at `layer` from the q in be.qkv and the pool: [R, q_size]."""
+    cfg, bs = be.cfg, be.spec.block_size
+    nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    k, v = be.kv_cache()
+    q = be.qkv.copy_to_host()[: batch.num_rows * be.dqkv].reshape(batch.num_rows, be.dqkv)
+    from decoder_service.model.weights import to_float32
+    out = np.zeros((batch.num_rows, nh * hd))
+    for r in range(batch.num_rows):
+        n = int(batch.positions[r]) + 1
+        blocks = batch.block_tables[batch.slots[r], : -(-n // bs)]
+        kr = to_float32(np.ascontiguousarray(k[layer, blocks]), be.storage).reshape(-1, nkv, hd)[:n]
+        vr = to_float32(np.ascontiguousarray(v[layer, blocks]), be.storage).reshape(-1, nkv, hd)[:n]
+        for h in range(nh):
+            s = kr[:, h // (nh // nkv)].astype(np.float64) @ q[r, h * hd:(h + 1) * hd] / np.sqrt(hd)
+            w = np.exp(s - s.max())
+            out[r, h * hd:(h + 1) * hd] = w @ vr[:, h // (nh // nkv)] / w.sum()
+    return out
+
+
+def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
+    """The layers' prompt attention launches, k_attn_tiles compiled under a register cap (0: none) and
+    with a split size (None: the backend's)."""
     from numba import cuda
 
-    from bench.gpu_model_check import rand_bf16
     from decoder_service.model.cuda import kernels
     from decoder_service.model.cuda.launcher import Kernel, Launch
+    kern = be.kernels["k_attn_tiles"] if not regs else \
+        Kernel("k_attn_tiles", be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.k_attn_tiles.py_func))
+    out = []
+    for layer in be.layers:
+        a = layer["attn_tiles"]
+        args = list(a.args)
+        if split is not None:
+            assert args[15] == be.attn_split   # k_attn's `split` argument
+            args[15] = split
+        kern.allow_dynamic_shared(a.shmem)
+        out.append(Launch(kern, a.block, a.shmem, args, be.stream.handle, a.name))
+    return out
+
+
+CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("decode", 64, 4955),
+         ("decode", 256, 4955), ("decode", 1, 1023)]
+
+
+def attention_variants(be, timer, per_seq: int, variants: list) -> None:
+    """Attention variants [(name, launches, grid(batch))] on the same random K/V: µs per layer, the
+    relative error of the last layer's output against float64, and whether it is bit-identical to the
+    first variant's."""
+    from bench.gpu_model_check import rand_bf16
     rng = np.random.default_rng(5)
     for pool in (be.kv_k, be.kv_v):   # random K/V, so that every score and weight differs
         pool.copy_to_device(rand_bf16(rng, (pool.size,), 1.0))
-    variants = []
-    for regs in caps:
-        kern = be.kernels["k_attn"] if not regs else \
-            Kernel("k_attn", be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.k_attn.py_func))
-        launches = [Launch(kern, a.block, a.shmem, a.args, be.stream.handle, a.name)
-                    for a in (layer["attn"] for layer in be.layers)]
-        variants.append((f"register cap {regs or 'none'} ({kern.attrs.regs} registers, "
-                         f"{kern.occupancy(launches[0].block, launches[0].shmem)} blocks/SM)", launches))
-    cases = [("decode", 1, 4955), ("prefill", 48, 4955), ("decode", 64, 4955), ("decode", 1, 1023)]
-    table = {name: [] for name, _ in variants}
-    same = {name: True for name, _ in variants}
+    cases = [c for c in CASES if c[1] <= be.max_rows]
+    table = {name: [] for name, _, _ in variants}
+    errs = {name: 0.0 for name, _, _ in variants}
+    same = {name: True for name, _, _ in variants}
     for case, R, prefix in cases:
         batch = (prefill_batch if case == "prefill" else decode_batch)(R, prefix, per_seq)
         be.forward(batch)   # q for the rows, and their own K/V written
+        be.stage(dataclasses.replace(batch, decode_rows=0))   # row tiles over every row
         be.synchronize()
-        grid = be.attn_grid(R, int(batch.positions.max()) + 1)
-        ref = None
-        for name, launches in variants:
+        ref = reference_attention(be, batch, len(be.layers) - 1)
+        first = None
+        for name, launches, grid_of in variants:
+            grid = grid_of(batch)
             ms, _ = timer.graph_ms(lambda launches=launches: [lz.launch(*grid) for lz in launches], reps=9)
             table[name].append(ms * 1e3 / len(launches))
-            launches[0].launch(*grid)
+            launches[-1].launch(*grid)
             be.synchronize()
-            out = be.att.copy_to_host()[: R * be.kp_q].view(np.uint32)
-            ref = out if ref is None else ref
-            same[name] &= bool(np.array_equal(out, ref))
-    print("\nattention variants: µs per layer (" + ", ".join(f"{c} {r} rows at {p}" for c, r, p in cases) + ")")
-    print("| variant | " + " | ".join(f"{c} {r}@{p}" for c, r, p in cases) + " | bit-identical |")
-    print("| --- | " + " | ".join("---" for _ in cases) + " | --- |")
-    for name, _ in variants:
-        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in table[name]) + f" | {same[name]} |", flush=True)
+            out = be.att.copy_to_host()[: R * be.kp_q].reshape(R, be.kp_q)[:, : ref.shape[1]]
+            errs[name] = max(errs[name], float(np.linalg.norm(out - ref) / np.linalg.norm(ref)))
+            first = out if first is None else first
+            same[name] &= bool(np.array_equal(out.view(np.uint32), first.view(np.uint32)))
+    print("\nattention variants: µs per layer; error = max relative error against float64")
+    print("| variant | " + " | ".join(f"{c} {r}@{p}" for c, r, p in cases) + " | error | bit-identical to first |")
+    print("| --- | " + " | ".join("---" for _ in cases) + " | --- | --- |")
+    for name, _, _ in variants:
+        print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in table[name])
+              + f" | {errs[name]:.1e} | {same[name]} |", flush=True)
+
+
+def kernel_variants(be, regs_list: list[int], splits: list[int]) -> list:
+    """k_attn_rows (what decode rows use) for every row, then k_attn_tiles (what prompt rows use) for
+    every row under each register cap (at the backend's split), then under each split size."""
+    def grid(split):
+        return lambda batch: (len(be.row_tiles_of(dataclasses.replace(batch, decode_rows=0))),
+                              be.cfg.num_kv_heads, -(-(int(batch.positions.max()) + 1) // split))
+    rows = [layer["attn_rows"] for layer in be.layers]
+    out = [("k_attn_rows (a block per row, head, split)", rows,
+            lambda batch: (batch.num_rows, be.cfg.num_heads, be.attn_grids(int(batch.positions.max()) + 1)[0][2]))]
+    for regs in regs_list:
+        launches = attention_launches(be, regs)
+        k = launches[0].kernel
+        out.append((f"k_attn_tiles, cap {regs or 'none'} ({k.attrs.regs} registers, "
+                    f"{k.occupancy(launches[0].block, launches[0].shmem)} blocks/SM)", launches,
+                    grid(be.attn_split)))
+    for split in splits:
+        out.append((f"k_attn_tiles, split {split}", attention_launches(be, split=split), grid(split)))
+    return out
 
 
 def main() -> None:
@@ -121,7 +182,8 @@ def main() -> None:
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--rows", default="1,16,48,256")
     p.add_argument("--prefix", default="0,4955")
-    p.add_argument("--attention-regs", default="", help="e.g. 0,80,64: time k_attn under these register caps")
+    p.add_argument("--attention-regs", default="", help="e.g. 0,128,96: time k_attn under these register caps")
+    p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     args = p.parse_args()
     from decoder_service.model.cuda.backend import CudaBackend
     cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
@@ -133,8 +195,10 @@ def main() -> None:
     be = CudaBackend(cfg, random_weights(cfg, seed=1), spec, max_rows=max_r, max_logit_rows=max_r,
                      max_table=per_seq * max_r)
     timer = Timer(be)
-    if args.attention_regs:
-        attention_variants(be, timer, per_seq, [int(r) for r in args.attention_regs.split(",")])
+    if args.attention_regs or args.attention_splits:
+        ints = lambda a: [int(x) for x in a.split(",") if x]  # noqa: E731
+        attention_variants(be, timer, per_seq,
+                           kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits)))
         return
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")

@@ -9,7 +9,10 @@ script) and reports JSON; each test asserts one case. The same cases run on a re
 Checks (per case): logits of prefill, decode and mixed ragged batches over non-contiguous block
 tables match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same
 argmax); the sparse head equals the dense head's logits for the same candidates bit for bit; a row's
-logits are bit-identical alone and inside a mixed batch; the KV pool holds the reference's K/V.
+logits are bit-identical alone and inside a mixed batch, and a prompt's last row is bit-identical
+whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
+the reference's K/V. Attention splits every 8 positions under the simulator, so contexts past 8 merge
+splits.
 """
 from __future__ import annotations
 
@@ -60,6 +63,7 @@ def _assert_case(res: dict, name: str) -> None:
         assert c["ok"], f"{name} / {c['tag']}: {c}"
     assert r["sparse_tiles_ok"], r
     assert r["deterministic"], "a row's logits changed with the batch it was in"
+    assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
 
 
@@ -99,6 +103,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
+    from decoder_service.model.cuda.kernels import SIM
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.reference import ReferenceModel
     from decoder_service.model.weights import load_weights
@@ -109,7 +114,8 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     cfg = ModelConfig.from_dir(d)
     w = load_weights(d, cfg, dtype=dtype, progress=False)
     spec = KVPoolSpec(num_blocks=24, block_size=4)
-    be = CudaBackend(cfg, w, spec, max_rows=24, max_logit_rows=4, max_candidates=8)
+    be = CudaBackend(cfg, w, spec, max_rows=24, max_logit_rows=4, max_candidates=8,
+                     attn_split=8 if SIM else None)
     ref = ReferenceModel(cfg, w, spec)
     rng = np.random.default_rng(7)
     bt = np.full((3, 8), -1, np.int32)
@@ -153,6 +159,10 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     sp = be.sparse_logits(cand, np.array([19], np.int32))
     tiles_ok = bool(np.array_equal(sp[0, :17], full[0, cand[0, :17]]) and np.isnan(sp[0, 17])
                     and sp[0, 18] == full[0, cand[0, 18]])
+    # slot 1's prompt again, in two chunks (its rows fall in other attention tiles): the same bits
+    be.forward(StepBatch.from_chunks([(1, other[:3], 0)], bt))
+    be.forward(StepBatch.from_chunks([(2, [5], 2), (1, other[3:], 3)], bt))
+    chunk_invariant = bool(np.array_equal(be.dense_logits()[1], lg_mixed[0]))
     # the pool holds the reference's K and V (storage dtype rounding aside)
     k, v = be.kv_cache()
     used = sorted({int(b) for b in bt.ravel() if b >= 0})
@@ -162,7 +172,13 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     vg = to_float32(np.ascontiguousarray(v[:, used]), w.dtype).astype(np.float64)
     kv_rel = [float(np.linalg.norm(kg - kr) / np.linalg.norm(kr)),
               float(np.linalg.norm(vg - vr) / np.linalg.norm(vr))]
-    return dict(checks=checks, deterministic=deterministic, sparse_tiles_ok=tiles_ok,
+    if (arch, dtype) == ("llama", "float32"):   # a 41-token context: 6 splits to merge
+        long_bt = np.arange(12, dtype=np.int32)[None]
+        long = rng.integers(3, cfg.vocab_size, 41).tolist()
+        compare("prefill 20", StepBatch.from_chunks([(0, long[:20], 0)], long_bt))
+        compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
+    return dict(checks=checks, deterministic=deterministic, chunk_invariant=chunk_invariant,
+                sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 
 

@@ -232,7 +232,9 @@ class DecodeEngine:
         for i, (prefix, own) in enumerate(parts):
             tables[i, :len(prefix)] = prefix
             tables[i, len(prefix):len(prefix) + len(own)] = own
-        return StepBatch.from_chunks([(i, toks, start) for i, (_, toks, start) in enumerate(chunks)], tables)
+        decodes = sum(seq.state == State.DECODE for seq, _, _ in chunks)   # planned first
+        return StepBatch.from_chunks([(i, toks, start) for i, (_, toks, start) in enumerate(chunks)], tables,
+                                     decodes)
 
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog

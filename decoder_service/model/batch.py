@@ -4,6 +4,10 @@ Each row is one token of one sequence at one absolute position, so a single step
 chunks of several prompts with single decode tokens of others (continuous batching). The rows of
 a sequence need not be contiguous or ordered; a row attends to positions 0..positions[row] of its
 own sequence, whose K/V live in the paged pool at the blocks its block table names.
+
+The first `decode_rows` rows are generated tokens, the others prompt rows. A backend may compute the
+two kinds differently (the CUDA backend's attention does: one row at a time, or a chunk's rows
+together); a row's result then depends on its kind, which the request fixes, never on the batch.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ class StepBatch:
     block_tables: np.ndarray  # int32 [S, max_blocks]: position p of slot s is in block
                               #   block_tables[s, p // block_size], offset p % block_size; unused -1
     logit_rows: np.ndarray    # int32 [N] rows whose final hidden state feeds a head
+    decode_rows: int = 0      # rows 0..decode_rows-1 are generated tokens, the rest prompt rows
 
     @property
     def num_rows(self) -> int:
@@ -30,10 +35,11 @@ class StepBatch:
 
     @classmethod
     def from_chunks(cls, chunks: Sequence[tuple[int, Sequence[int], int]],
-                    block_tables: np.ndarray) -> "StepBatch":
+                    block_tables: np.ndarray, decode_rows: int = 0) -> "StepBatch":
         """Rows for `chunks` of (slot, tokens, first position); each chunk's last row gets logits.
 
         A decode step is a chunk of one token; a prefill is a chunk of the prompt (or a piece of it).
+        The first `decode_rows` chunks are decode steps.
         """
         tokens, slots, positions, logit_rows = [], [], [], []
         for slot, toks, start in chunks:
@@ -42,7 +48,7 @@ class StepBatch:
             positions.extend(range(start, start + len(toks)))
             logit_rows.append(len(tokens) - 1)
         i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
-        return cls(i32(tokens), i32(slots), i32(positions), i32(block_tables), i32(logit_rows))
+        return cls(i32(tokens), i32(slots), i32(positions), i32(block_tables), i32(logit_rows), decode_rows)
 
     def validate(self, block_size: int, num_blocks: int, vocab_size: int) -> None:
         """Refuse a batch the kernels would read or write out of bounds (cheap, host-side)."""
@@ -55,6 +61,8 @@ class StepBatch:
             raise ModelError(f"StepBatch: tokens/slots/positions must all be [{r}], block_tables 2-D")
         if r == 0:
             raise ModelError("StepBatch: no rows")
+        if not 0 <= self.decode_rows <= r:
+            raise ModelError(f"StepBatch.decode_rows: must be in [0, {r}], got {self.decode_rows}")
         if self.tokens.min() < 0 or self.tokens.max() >= vocab_size:
             raise ModelError(f"StepBatch.tokens: ids must be in [0, {vocab_size})")
         if self.slots.min() < 0 or self.slots.max() >= len(self.block_tables):

@@ -11,7 +11,8 @@ Device-level entries for the engine (no allocation, no host synchronisation; cap
     launch_sparse(N)             candidate logits into `sparse`
     capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
 Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
-    tokens, slots, positions [max_rows] i32; logit_rows [max_logit_rows] i32;
+    tokens, slots, positions [max_rows] i32; attention row tiles (first row, rows) [2 max_rows] i32;
+    logit_rows [max_logit_rows] i32;
     block_tables [max_table] i32 (row stride = `table_stride`, set by stage() or set_table_stride());
     hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
     cand [max_logit_rows * max_candidates] i32, ncand [max_logit_rows] i32,
@@ -19,7 +20,8 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
     [L, num_blocks, block_size, n_kv, head_dim] in the storage dtype).
 
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
-gate/up+SwiGLU, down+residual; final norm), plus one for a head.
+gate/up+SwiGLU, down+residual; final norm), plus one for a head; a step with both decode and prompt
+rows has two attention launches a layer (k_attn_rows, k_attn_tiles).
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import MAX_SPLITS, SIM, WARP
+from .kernels import MAX_SPLITS, QB, ROW_SPLITS, SIM, TP, TQ, WARP, attn_shared_floats
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -60,7 +62,8 @@ class CudaBackend:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
-                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 0):
+                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 0,
+                 attn_split: int | None = None):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -86,6 +89,16 @@ class CudaBackend:
             self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
+        self.rows_per_tile = QB // (nh // nkv)    # prompt attention: rows whose queries share a block
+        if self.rows_per_tile < 1:
+            raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
+        # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
+        # row's arithmetic never depends on the batch); enough for max_position_embeddings.
+        limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
+        self.attn_split = max(TP, limit) if attn_split is None else int(attn_split)
+        if self.attn_split % TP or self.attn_split < TP:
+            raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
+                             f"of {TP}")
         self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
 
         self._check_memory(weights)
@@ -122,13 +135,16 @@ class CudaBackend:
         s.memset0(self.kv_k)
         s.memset0(self.kv_v)
         R, N, C = max_rows, max_logit_rows, max_candidates
-        # One int32 input buffer (one copy per step): tokens | slots | positions | logit_rows | tables
-        self._o_slots, self._o_pos, self._o_lrows, self._o_tab = R, 2 * R, 3 * R, 3 * R + N
-        n_ints = 3 * R + N + self.max_table
+        # One int32 input buffer (one copy per step): tokens | slots | positions | tiles | logit_rows |
+        # tables
+        self._o_slots, self._o_pos, self._o_tiles = R, 2 * R, 3 * R
+        self._o_lrows, self._o_tab = 5 * R, 5 * R + N
+        n_ints = 5 * R + N + self.max_table
         self.ints = cuda.device_array(n_ints, np.int32)
         self.tokens = self.ints[0:R]
         self.slots = self.ints[self._o_slots:self._o_slots + R]
         self.positions = self.ints[self._o_pos:self._o_pos + R]
+        self.attn_tiles = self.ints[self._o_tiles:self._o_lrows]
         self.logit_rows = self.ints[self._o_lrows:self._o_lrows + N]
         self.block_tables = self.ints[self._o_tab:n_ints]
         # Activations: rows padded to a multiple of 8 floats (16-byte staging loads); padding zero.
@@ -144,11 +160,12 @@ class CudaBackend:
         self.cand = self.cand_ints[0:N * C]
         self.ncand = self.cand_ints[N * C:N * C + N]
         self.sparse = cuda.device_array(N * C, np.float32)
-        # attention context splits: partials (max, sum, acc[hd]) and a done-counter per (row, head)
+        # attention context splits: partials (max, sum, acc[hd]) per (row, head, split) and a
+        # done-counter per (row, head) or (row tile, KV head); the two kernels run one after the other
         self.attn_part = cuda.device_array(R * nh * MAX_SPLITS * (hd + 2), np.float32)
         self.attn_count = cuda.device_array(R * nh, np.int32)
         s.memset0(self.attn_count)
-        self._max_ctx = 1
+        self._max_ctx, self._n_decode, self._n_tiles = 1, 0, 0
         # Host staging: pinned on a device (async, capturable copies); a ring of two so a step's
         # inputs can be written while the previous step's copy may still be queued.
         pin = np.zeros if SIM else cuda.pinned_array
@@ -165,8 +182,8 @@ class CudaBackend:
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
-                        ("k_embed", "k_gemv", "k_gemv4", "k_rope_kv", "k_attn", "k_final_norm",
-                         "k_sparse")}
+                        ("k_embed", "k_gemv", "k_gemv4", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
+                         "k_final_norm", "k_sparse")}
         self._build_launches()
         s.synchronize()
 
@@ -229,6 +246,8 @@ class CudaBackend:
         eps = float(cfg.rms_norm_eps)
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
+        attn_shmem = attn_shared_floats(hd, MAX_SPLITS) * 4
+        k["k_attn_tiles"].allow_dynamic_shared(attn_shmem)
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
                               [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
         self.layers = []
@@ -250,11 +269,17 @@ class CudaBackend:
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                     nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
                                     l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
-            layer["attn"] = Launch(k["k_attn"], self.t_attn, (hd + 9 * self.t_attn) * 4,
-                                   [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
-                                    self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                    nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq, self.attn_part,
-                                    self.attn_count, MAX_SPLITS], st, f"attn[{l}]")
+            layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
+                                        [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                         self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
+                                         nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq,
+                                         self.attn_part, self.attn_count, ROW_SPLITS], st, f"attn_rows[{l}]")
+            layer["attn_tiles"] = Launch(k["k_attn_tiles"], QB * TQ, attn_shmem,
+                                         [self.qkv, self.dqkv, self.positions, self.attn_tiles, self.slots,
+                                          self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
+                                          self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
+                                          self.attn_split, self.att, kq, self.attn_part, self.attn_count,
+                                          MAX_SPLITS], st, f"attn_tiles[{l}]")
             layer["o"], layer["o/4"] = self._gemv_pair(
                 f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H, self.b_qkv, 0, self.x, kh, 1)
             layer["gate_up"], layer["gate_up/4"] = self._gemv_pair(
@@ -297,26 +322,43 @@ class CudaBackend:
             raise ModelError(f"cuda backend: step of {R} rows / {N} logit rows / block table {S}x{mb} "
                              f"exceeds the buffers ({self.max_rows} rows, {self.max_logit_rows} logit "
                              f"rows, {self.max_table} table entries)")
+        max_ctx = int(batch.positions.max()) + 1
+        if max_ctx > self.attn_split * MAX_SPLITS:
+            raise ModelError(f"cuda backend: position {max_ctx - 1} is past the attention's reach "
+                             f"({self.attn_split} x {MAX_SPLITS} positions)")
         i = self._ring_i = (self._ring_i + 1) % 2
         event_wait_host(self._ring_ev[i])  # the copy that last used this staging buffer has run
         h = self._ring[i]
         h[:R] = batch.tokens
         h[self._o_slots:self._o_slots + R] = batch.slots
         h[self._o_pos:self._o_pos + R] = batch.positions
+        tiles = self.row_tiles_of(batch)
+        h[self._o_tiles:self._o_tiles + tiles.size] = tiles.reshape(-1)
         h[self._o_lrows:self._o_lrows + N] = batch.logit_rows
         h[self._o_tab:self._o_tab + S * mb] = batch.block_tables.reshape(-1)
         self.stream.h2d(self.ints, h, self._o_tab + S * mb)
         self.stream.record(self._ring_ev[i])
         self.table_stride.value = mb
-        self._max_ctx = int(batch.positions.max()) + 1
+        self._max_ctx, self._n_decode, self._n_tiles = max_ctx, batch.decode_rows, len(tiles)
+
+    def row_tiles_of(self, batch: StepBatch) -> np.ndarray:
+        """Prompt attention's row tiles, int32 [tiles, 2] of (first row, rows): runs of consecutive
+        prompt rows of one sequence at consecutive positions (a chunk), cut every rows_per_tile rows.
+        Where a cut falls changes nothing a row computes (k_attn_tiles), only how many rows share a K/V
+        read."""
+        slots, pos = batch.slots[batch.decode_rows:], batch.positions[batch.decode_rows:]
+        R = len(slots)
+        run_start = np.ones(R, bool)
+        run_start[1:] = (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
+        first = np.flatnonzero(run_start)
+        offset = np.arange(R) - first[np.cumsum(run_start) - 1]
+        starts = np.flatnonzero(offset % self.rows_per_tile == 0)
+        return np.stack([starts + batch.decode_rows, np.diff(np.append(starts, R))], axis=1).astype(np.int32)
 
     def set_table_stride(self, mb: int) -> None:
         """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
         self.table_stride.value = int(mb)
 
-    def attn_splits(self, max_ctx: int) -> int:
-        """Attention grid depth for contexts up to max_ctx (a row uses only the splits it needs)."""
-        return max(1, min(-(-int(max_ctx) // self.t_attn), MAX_SPLITS))
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
@@ -324,13 +366,13 @@ class CudaBackend:
         max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
         for a bound serves every batch within it."""
         nq = self.cfg.num_heads + self.cfg.num_kv_heads
-        attn = self.attn_grid(R, self._max_ctx if max_ctx is None else max_ctx)
+        attn = self.attn_grids(self._max_ctx if max_ctx is None else max_ctx)
         gemv, tiles = self.row_tiles(R)
         self.l_embed.launch(R)
         for layer in self.layers:
             self.launch_tiles(layer[gemv["qkv"]], tiles)
             layer["rope"].launch(R, nq)
-            layer["attn"].launch(*attn)
+            self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):
                 self.launch_tiles(layer[gemv[key]], tiles)
         if N:
@@ -347,9 +389,22 @@ class CudaBackend:
         self.n_rows.value = R
         return self._FOUR_ROWS, -(-R // 4)
 
-    def attn_grid(self, R: int, max_ctx: int) -> tuple[int, int, int]:
-        """Attention's grid for R rows whose positions + 1 are at most max_ctx: (rows, heads, splits)."""
-        return R, self.cfg.num_heads, self.attn_splits(max_ctx)
+    def attn_grids(self, max_ctx: int) -> tuple[tuple, tuple]:
+        """Attention's grids for the staged batch, its positions + 1 at most max_ctx: decode rows
+        (rows, heads, splits: a row uses those its own context needs) and prompt row tiles (tiles, KV
+        heads, splits of attn_split positions)."""
+        rows = (self._n_decode, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), ROW_SPLITS)))
+        tiles = (self._n_tiles, self.cfg.num_kv_heads, max(1, -(-int(max_ctx) // self.attn_split)))
+        return rows, tiles
+
+    @staticmethod
+    def launch_attention(layer: dict, grids: tuple) -> None:
+        """One layer's attention: k_attn_rows for the decode rows, k_attn_tiles for the prompt rows."""
+        rows, tiles = grids
+        if rows[0]:
+            layer["attn_rows"].launch(*rows)
+        if tiles[0]:
+            layer["attn_tiles"].launch(*tiles)
 
     @staticmethod
     def launch_tiles(gemv: tuple, tiles: int) -> None:

@@ -33,10 +33,18 @@ from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
-MAX_TILE = 256          # attention tile (= its block size) upper bound; static shared array size
-MAX_SPLITS = 32         # attention: at most this many context splits per (row, head)
-ATTN_REGISTERS = 64   # k_attn's register cap: more resident blocks per SM (perf_log.md, b6)
+MAX_SPLITS = 64         # attention: at most this many context splits per query
+ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) (its perf log b6 setting)
+MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
+ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
+# Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
+# heads of one KV head); TQ threads own a query (its max and sum are TQ-lane xor trees, so a query's
+# lanes sit in one warp), each scoring PPT positions of a TP-position K/V tile held in shared memory.
+QB = 4 if SIM else 16
+TQ = WARP if SIM else 8
+PPT = 2 if SIM else 8
+TP = TQ * PPT
 
 if SIM:  # ------------------------------------------------------------------ simulator twins
     import threading
@@ -95,6 +103,22 @@ if SIM:  # ------------------------------------------------------------------ si
     def warp_max(v):
         vals, lane = _warp_exchange(v)
         return np.float32(vals.max())
+
+    def _lanes(v, op):
+        vals, lane = _warp_exchange(v)
+        idx = np.arange(WARP)
+        off = TQ // 2
+        while off:
+            vals = op(vals, vals[idx ^ off]).astype(np.float32)
+            off //= 2
+        return vals[lane]
+
+    def lanes_sum(v):
+        """Xor-butterfly sum over the TQ lanes of a query, the GPU's tree."""
+        return _lanes(v, np.add)
+
+    def lanes_max(v):
+        return _lanes(v, np.maximum)
 
     def prefetch_l2(arr, i):
         """No-op in the simulator (a cache hint on the GPU)."""
@@ -267,6 +291,21 @@ else:  # -----------------------------------------------------------------------
     def warp_max(v):
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 16))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 8))
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 4))
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def lanes_sum(v):
+        """Sum over the TQ = 8 lanes of a query (an xor butterfly: every lane gets the same bits)."""
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 4)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def lanes_max(v):
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 4))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
@@ -586,6 +625,19 @@ def tile_sum(sh, off, groups, hd, d):
 
 
 @cuda.jit(device=True, inline="always")
+def st8(sh, i, v):
+    """sh[i:i+8] = the 8-tuple v (unsigned indices: no negative-index wraparound code)."""
+    sh[np.uint64(i)] = v[0]
+    sh[np.uint64(i + 1)] = v[1]
+    sh[np.uint64(i + 2)] = v[2]
+    sh[np.uint64(i + 3)] = v[3]
+    sh[np.uint64(i + 4)] = v[4]
+    sh[np.uint64(i + 5)] = v[5]
+    sh[np.uint64(i + 6)] = v[6]
+    sh[np.uint64(i + 7)] = v[7]
+
+
+@cuda.jit(device=True, inline="always")
 def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
     """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
     where the block table has no block there."""
@@ -772,9 +824,11 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
 
 
 @cuda.jit(cache=True, **_ATTN_JIT)
-def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
+def k_attn_rows(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
            out, out_stride, part, counters, maxs):
-    """Causal GQA attention over the paged pool, positions 0..pos: one block per (row, q head, split).
+    """Decode rows' causal GQA attention over the paged pool, positions 0..pos: one block per (row,
+    q head, split), rows 0..gridDim.x - 1 (a decode row is alone in its sequence; k_attn_tiles serves
+    prompt rows, whose chunk shares its context).
 
     A row's context is cut into ns <= maxs splits of whole T-position tiles, a function of that row's
     context length alone (never of the batch). In a split, tiles run in ascending order with an online
@@ -902,6 +956,224 @@ def k_attn(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv
 
 
 @cuda.jit(cache=True)
+def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
+           split, out, out_stride, part, counters, maxs):
+    """Prompt rows' causal GQA attention over the paged pool: one block per (row tile, KV head,
+    context split).
+
+    A row tile is up to QB // group consecutive rows of one sequence at consecutive positions (tiles:
+    first row, rows); its queries are those rows x the KV head's `group` query heads, so every K/V
+    tile is read from the pool once for all of them (a prompt chunk's rows share the whole context).
+    Splits cut the context at absolute multiples of `split`; a query with n = position + 1 uses
+    splits 0..ceil(n / split) - 1. Per split, TP-position K/V tiles are staged in shared memory as
+    float32; lane `sub` of a query scores positions sub, sub + TQ, ... (a dot over head_dim in
+    ascending order), the tile's max and sum are TQ-lane xor trees, and the lane owns dims sub,
+    sub + TQ, ... of the output, summing weight x V over the query's own positions in ascending order
+    into an accumulator the tile's max rescales. Positions past the query's own are never summed:
+    what a query computes depends on its position and the pool alone, never on its tile mates, the
+    tile it lands in or the batch. Several splits write (max, sum, acc) partials; the tile's last
+    block to finish (a counter per tile and KV head) merges each query's splits in ascending order
+    (one split merges to exactly acc / sum, the value a single-split tile writes directly).
+    Dynamic shared: attn_shared_floats(hd, maxs). Grid (tiles, nkv, splits of the longest context);
+    blocks past their tile's splits return at once.
+    """
+    sh = cuda.shared.array(0, nb_f32)
+    base_s = cuda.shared.array(TP, nb_i64)
+    flag = cuda.shared.array(1, nb_i32)
+    tile = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    sp = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    r0 = tiles[2 * tile]
+    nq = tiles[2 * tile + 1] * group
+    n_max = positions[r0 + nq // group - 1] + 1
+    ns = (n_max + split - 1) // split
+    if sp >= ns:
+        return
+    qi = tid // TQ
+    sub = tid - qi * TQ
+    active = qi < nq
+    row = r0 + min(qi, nq - 1) // group
+    h = kvh * group + qi % group
+    n_q = positions[row] + 1 if active else 0
+    hs = hd + 1                       # row stride of q, K, V, acc in shared (odd: no bank conflicts)
+    ko = QB * hs
+    vo = ko + TP * hs
+    po = vo + TP * hs
+    ao = po + QB * (TP + 1)
+    qrow = qi * hs
+    prow = po + qi * (TP + 1)
+    arow = ao + qi * hs
+    for i in range(tid, QB * hd, T):
+        qq = i // hd
+        d = i - qq * hd
+        v = np.float32(0.0)
+        if qq < nq:
+            v = qkv[np.int64(r0 + qq // group) * qkv_stride + (kvh * group + qq % group) * hd + d] * scale
+        sh[np.uint64(qq * hs + d)] = v
+        sh[np.uint64(ao + qq * hs + d)] = np.float32(0.0)
+    p_begin = sp * split
+    p_end = min(p_begin + split, n_max)
+    slot = slots[r0]
+    rowlen = np.int64(nkv) * hd
+    c8 = hd // 8
+    nchunks = TP * c8
+    z = np.float32(0.0)
+    zero8 = (z, z, z, z, z, z, z, z)
+    s = cuda.local.array(PPT, nb_f32)
+    a = cuda.local.array(8, nb_f32)
+    m = np.float32(-math.inf)
+    l = np.float32(0.0)
+    for t0 in range(p_begin, p_end, TP):
+        cuda.syncthreads()            # the previous tile's K, V and weights are no longer read
+        if tid < TP:
+            kb = np.int64(-1)
+            if t0 + tid < p_end:
+                kb = kv_base(bt, mb, slot, t0 + tid, bs, layer_off, rowlen, kvh, hd)
+            base_s[tid] = kb
+        cuda.syncthreads()
+        for c in range(tid, nchunks, 2 * T):     # two 8-element chunks of K and of V in flight
+            c2 = min(c + T, nchunks - 1)
+            pp = c // c8
+            pp2 = c2 // c8
+            o = (c - pp * c8) * 8
+            o2 = (c2 - pp2 * c8) * 8
+            b1 = base_s[pp]
+            b2 = base_s[pp2]
+            k1 = ld8(kc, max(b1, 0) + o)
+            v1 = ld8(vc, max(b1, 0) + o)
+            k2 = ld8(kc, max(b2, 0) + o2)
+            v2 = ld8(vc, max(b2, 0) + o2)
+            if b1 < 0:
+                k1 = zero8
+                v1 = zero8
+            if b2 < 0:
+                k2 = zero8
+                v2 = zero8
+            st8(sh, ko + pp * hs + o, k1)
+            st8(sh, vo + pp * hs + o, v1)
+            if c + T < nchunks:
+                st8(sh, ko + pp2 * hs + o2, k2)
+                st8(sh, vo + pp2 * hs + o2, v2)
+        cuda.syncthreads()
+        for j in range(PPT):
+            s[j] = np.float32(0.0)
+        for d in range(hd):
+            qd = sh[np.uint64(qrow + d)]
+            for j in range(PPT):
+                s[j] += qd * sh[np.uint64(ko + (j * TQ + sub) * hs + d)]
+        tmax = np.float32(-math.inf)
+        for j in range(PPT):
+            if t0 + j * TQ + sub >= n_q:
+                s[j] = np.float32(-math.inf)
+            tmax = max(tmax, s[j])
+        tmax = lanes_max(tmax)
+        m_new = max(m, tmax)
+        tsum = np.float32(0.0)
+        for j in range(PPT):
+            e = np.float32(0.0)
+            if s[j] > np.float32(-math.inf):
+                e = math.exp(s[j] - m_new)
+            sh[np.uint64(prow + j * TQ + sub)] = e
+            tsum += e
+        tsum = lanes_sum(tsum)
+        cuda.syncthreads()            # the query's weights are visible to all its lanes
+        if t0 < n_q:
+            alpha = math.exp(m - m_new)
+            l = l * alpha + tsum
+            cnt = min(TP, n_q - t0)
+            for g in range(0, hd, 8 * TQ):
+                for i in range(8):
+                    a[i] = np.float32(0.0)
+                for pp in range(cnt):
+                    w = sh[np.uint64(prow + pp)]
+                    vb = vo + pp * hs
+                    for i in range(8):
+                        a[i] += w * sh[np.uint64(vb + min(g + sub + i * TQ, hd - 1))]
+                for i in range(8):
+                    d = g + sub + i * TQ
+                    if d < hd:
+                        sh[np.uint64(arow + d)] = sh[np.uint64(arow + d)] * alpha + a[i]
+            m = m_new
+    ob = np.int64(row) * out_stride + h * hd
+    if ns == 1:
+        if active:
+            for d in range(sub, hd, TQ):
+                out[ob + d] = sh[np.uint64(arow + d)] / l
+        return
+    stride = hd + 2
+    rb = (np.int64(row) * nkv * group + h) * maxs * stride
+    if active and p_begin < n_q:
+        pb = rb + sp * stride
+        if sub == 0:
+            part[pb] = m
+            part[pb + 1] = l
+        for d in range(sub, hd, TQ):
+            part[pb + 2 + d] = sh[np.uint64(arow + d)]
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        ticket = cuda.atomic.add(counters, tile * nkv + kvh, 1)
+        flag[0] = 1 if ticket == ns - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    # The last block merges each query's splits 0..nsq-1: the query's lanes find the max M over the
+    # splits and their weights exp(m_k - M) (into shared, over the K/V tile), and sum l_k x weight
+    # (lane partials in ascending k, then the lanes' tree); then every thread takes output elements
+    # and sums acc_k x weight over k in ascending order, four loads in flight.
+    nsq = (n_q + split - 1) // split
+    big = np.float32(-math.inf)
+    for k in range(sub, nsq, TQ):
+        big = max(big, ld_l2(part, rb + k * stride))
+    big = lanes_max(big)
+    lp = np.float32(0.0)
+    for k in range(sub, nsq, TQ):
+        w = math.exp(ld_l2(part, rb + k * stride) - big)
+        sh[np.uint64(ko + qi * maxs + k)] = w
+        lp += ld_l2(part, rb + k * stride + 1) * w
+    lp = lanes_sum(lp)
+    if active and sub == 0:
+        sh[np.uint64(qi)] = lp                  # over q, no longer read
+    cuda.syncthreads()
+    for i in range(tid, nq * hd, T):
+        qq = i // hd
+        d = i - qq * hd
+        rq = r0 + qq // group
+        hq = kvh * group + qq % group
+        nk = (positions[rq] + split) // split
+        src = (np.int64(rq) * nkv * group + hq) * maxs * stride + 2 + d
+        wq = ko + qq * maxs
+        o = ld_l2(part, src) * sh[np.uint64(wq)]
+        k = 1
+        while k + 3 < nk:
+            x1 = ld_l2(part, src + k * stride)
+            x2 = ld_l2(part, src + (k + 1) * stride)
+            x3 = ld_l2(part, src + (k + 2) * stride)
+            x4 = ld_l2(part, src + (k + 3) * stride)
+            o += x1 * sh[np.uint64(wq + k)]
+            o += x2 * sh[np.uint64(wq + k + 1)]
+            o += x3 * sh[np.uint64(wq + k + 2)]
+            o += x4 * sh[np.uint64(wq + k + 3)]
+            k += 4
+        while k < nk:
+            o += ld_l2(part, src + k * stride) * sh[np.uint64(wq + k)]
+            k += 1
+        out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint64(qq)]
+    if tid == 0:
+        counters[tile * nkv + kvh] = 0
+
+
+def attn_shared_floats(hd: int, maxs: int) -> int:
+    """k_attn's dynamic shared memory in floats: q, K tile, V tile, weights, acc (row stride hd + 1),
+    and the merge's split weights over the K/V tile."""
+    hs = hd + 1
+    return max(2 * QB * hs + 2 * TP * hs + QB * (TP + 1), QB * hs + QB * maxs)
+
+
+@cuda.jit(cache=True)
 def k_final_norm(x, x_stride, rows, gamma, eps, K, Q, out, out_stride):
     """out[i] = RMSNorm(x[rows[i]]) * gamma: the final-normed hidden state of the logit rows
     (the same staging and tree as the fused norms; padding columns stay zero)."""
@@ -981,12 +1253,15 @@ def signatures(storage: str) -> dict:
         "k_gemv4": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
                       i32, t.float32),
-        "k_attn": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32, f32, ai,
-                   i32),
+        "k_attn_rows": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32, f32,
+                        ai, i32),
+        "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
+                         i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
     }
 
 
-KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv4": k_gemv4, "k_rope_kv": k_rope_kv, "k_attn": k_attn,
+KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv4": k_gemv4, "k_rope_kv": k_rope_kv,
+           "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse}
