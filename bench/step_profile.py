@@ -116,8 +116,9 @@ def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
     return out
 
 
-CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("decode", 64, 4955),
-         ("decode", 256, 4955), ("decode", 1, 1023)]
+CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("prefill", 48, 2047),
+         ("prefill", 48, 1023), ("prefill", 48, 255), ("decode", 64, 4955), ("decode", 256, 4955),
+         ("decode", 1, 1023)]
 
 
 def attention_variants(be, timer, per_seq: int, variants: list) -> None:
@@ -135,7 +136,6 @@ def attention_variants(be, timer, per_seq: int, variants: list) -> None:
     for case, R, prefix in cases:
         batch = (prefill_batch if case == "prefill" else decode_batch)(R, prefix, per_seq)
         be.forward(batch)   # q for the rows, and their own K/V written
-        be.stage(dataclasses.replace(batch, decode_rows=0))   # row tiles over every row
         be.synchronize()
         ref = reference_attention(be, batch, len(be.layers) - 1)
         first = None
@@ -157,15 +157,24 @@ def attention_variants(be, timer, per_seq: int, variants: list) -> None:
               + f" | {errs[name]:.1e} | {same[name]} |", flush=True)
 
 
+def staged(be, batch: StepBatch, kernel: str, split: int | None = None) -> tuple:
+    """Stage the batch so that every row goes to one attention kernel ("rows" or "tiles"); its grid."""
+    tile_from = be.attn_tile_from
+    be.attn_tile_from = 0
+    be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
+    be.attn_tile_from = tile_from
+    ctx = int(batch.positions.max()) + 1
+    rows, tiles = be.attn_grids(ctx)
+    return rows if kernel == "rows" else (tiles[0], tiles[1], -(-ctx // (split or be.attn_split)))
+
+
 def kernel_variants(be, regs_list: list[int], splits: list[int]) -> list:
-    """k_attn_rows (what decode rows use) for every row, then k_attn_tiles (what prompt rows use) for
-    every row under each register cap (at the backend's split), then under each split size."""
+    """k_attn_rows for every row, then k_attn_tiles for every row under each register cap (at the
+    backend's split), then under each split size."""
     def grid(split):
-        return lambda batch: (len(be.row_tiles_of(dataclasses.replace(batch, decode_rows=0))),
-                              be.cfg.num_kv_heads, -(-(int(batch.positions.max()) + 1) // split))
+        return lambda batch: staged(be, batch, "tiles", split)
     rows = [layer["attn_rows"] for layer in be.layers]
-    out = [("k_attn_rows (a block per row, head, split)", rows,
-            lambda batch: (batch.num_rows, be.cfg.num_heads, be.attn_grids(int(batch.positions.max()) + 1)[0][2]))]
+    out = [("k_attn_rows (a block per row, head, split)", rows, lambda batch: staged(be, batch, "rows"))]
     for regs in regs_list:
         launches = attention_launches(be, regs)
         k = launches[0].kernel

@@ -200,3 +200,5 @@ def test_step_batch_from_chunks_and_validation():
     StepBatch.from_chunks([(1, [5, 6, 7], 4)], unused).validate(4, 4, 10)
     with pytest.raises(ModelError, match="same \\(slot, position\\)"):
         StepBatch.from_chunks([(0, [1], 0), (0, [1], 0)], table).validate(4, 4, 10)
+    with pytest.raises(ModelError, match=r"decode_rows: must be in \[0, 4\], got 5"):
+        StepBatch.from_chunks([(1, [5, 6, 7], 0), (0, [9], 4)], table, decode_rows=5).validate(4, 4, 10)

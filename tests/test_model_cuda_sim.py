@@ -11,8 +11,9 @@ tables match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e
 argmax); the sparse head equals the dense head's logits for the same candidates bit for bit; a row's
 logits are bit-identical alone and inside a mixed batch, and a prompt's last row is bit-identical
 whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
-the reference's K/V. Attention splits every 8 positions under the simulator, so contexts past 8 merge
-splits.
+the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_tiles), decode rows and
+earlier prompt rows one at a time (k_attn_rows); tiles split every 8 positions under the simulator,
+so contexts past 8 merge splits.
 """
 from __future__ import annotations
 
@@ -115,7 +116,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     w = load_weights(d, cfg, dtype=dtype, progress=False)
     spec = KVPoolSpec(num_blocks=24, block_size=4)
     be = CudaBackend(cfg, w, spec, max_rows=24, max_logit_rows=4, max_candidates=8,
-                     attn_split=8 if SIM else None)
+                     attn_split=8 if SIM else None, attn_tile_from=4)
     ref = ReferenceModel(cfg, w, spec)
     rng = np.random.default_rng(7)
     bt = np.full((3, 8), -1, np.int32)
@@ -143,15 +144,15 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     _, lr = compare("prefill 11", StepBatch.from_chunks([(0, prompt, 0)], bt))
     pos, nxt = len(prompt), int(lr[0].argmax())
     for _ in range(2 if (arch, dtype) == ("llama", "float32") else 1):   # the simulator is slow
-        _, lr = compare(f"decode {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt))
+        _, lr = compare(f"decode {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
         pos, nxt = pos + 1, int(lr[0].argmax())
     other = rng.integers(3, cfg.vocab_size, 6).tolist()
-    mixed = StepBatch.from_chunks([(1, other, 0), (0, [nxt], pos), (2, other[:2], 0)], bt)
-    lg_mixed, _ = compare("mixed prefill 6 + decode + prefill 2", mixed)
-    _, lr = compare("mixed decodes", StepBatch.from_chunks([(2, [5], 2), (1, [7], 6)], bt))
+    mixed = StepBatch.from_chunks([(0, [nxt], pos), (1, other, 0), (2, other[:2], 0)], bt, decode_rows=1)
+    lg_mixed, _ = compare("mixed decode + prefill 6 + prefill 2", mixed)
+    _, lr = compare("mixed decodes", StepBatch.from_chunks([(2, [5], 2), (1, [7], 6)], bt, decode_rows=2))
     # the decode row of slot 0, recomputed alone at the same position, is bit-identical
-    be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt))
-    deterministic = bool(np.array_equal(be.dense_logits()[0], lg_mixed[1]))
+    be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
+    deterministic = bool(np.array_equal(be.dense_logits()[0], lg_mixed[0]))
     # candidate lists longer than max_candidates are tiled; an id outside the vocabulary gives NaN
     cand = rng.integers(0, cfg.vocab_size, (1, 19)).astype(np.int32)
     cand[0, 17] = cfg.vocab_size + 5
@@ -161,8 +162,8 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
                     and sp[0, 18] == full[0, cand[0, 18]])
     # slot 1's prompt again, in two chunks (its rows fall in other attention tiles): the same bits
     be.forward(StepBatch.from_chunks([(1, other[:3], 0)], bt))
-    be.forward(StepBatch.from_chunks([(2, [5], 2), (1, other[3:], 3)], bt))
-    chunk_invariant = bool(np.array_equal(be.dense_logits()[1], lg_mixed[0]))
+    be.forward(StepBatch.from_chunks([(2, [5], 2), (1, other[3:], 3)], bt, decode_rows=1))
+    chunk_invariant = bool(np.array_equal(be.dense_logits()[1], lg_mixed[1]))
     # the pool holds the reference's K and V (storage dtype rounding aside)
     k, v = be.kv_cache()
     used = sorted({int(b) for b in bt.ravel() if b >= 0})

@@ -11,7 +11,8 @@ Device-level entries for the engine (no allocation, no host synchronisation; cap
     launch_sparse(N)             candidate logits into `sparse`
     capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
 Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
-    tokens, slots, positions [max_rows] i32; attention row tiles (first row, rows) [2 max_rows] i32;
+    tokens, slots, positions [max_rows] i32; attention's row list [max_rows] and row tiles (first
+    row, rows) [2 max_rows] i32;
     logit_rows [max_logit_rows] i32;
     block_tables [max_table] i32 (row stride = `table_stride`, set by stage() or set_table_stride());
     hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
@@ -21,7 +22,8 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
 
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
 gate/up+SwiGLU, down+residual; final norm), plus one for a head; a step with both decode and prompt
-rows has two attention launches a layer (k_attn_rows, k_attn_tiles).
+rows has two attention launches a layer (k_attn_rows, k_attn_tiles): decode rows and prompt rows before
+position attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ class CudaBackend:
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 0,
-                 attn_split: int | None = None):
+                 attn_split: int | None = None, attn_tile_from: int = 2048):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -90,6 +92,7 @@ class CudaBackend:
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
         self.rows_per_tile = QB // (nh // nkv)    # prompt attention: rows whose queries share a block
+        self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
         if self.rows_per_tile < 1:
             raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
@@ -135,15 +138,16 @@ class CudaBackend:
         s.memset0(self.kv_k)
         s.memset0(self.kv_v)
         R, N, C = max_rows, max_logit_rows, max_candidates
-        # One int32 input buffer (one copy per step): tokens | slots | positions | tiles | logit_rows |
-        # tables
-        self._o_slots, self._o_pos, self._o_tiles = R, 2 * R, 3 * R
-        self._o_lrows, self._o_tab = 5 * R, 5 * R + N
-        n_ints = 5 * R + N + self.max_table
+        # One int32 input buffer (one copy per step): tokens | slots | positions | attention rows |
+        # attention tiles | logit_rows | tables
+        self._o_slots, self._o_pos, self._o_arows, self._o_tiles = R, 2 * R, 3 * R, 4 * R
+        self._o_lrows, self._o_tab = 6 * R, 6 * R + N
+        n_ints = 6 * R + N + self.max_table
         self.ints = cuda.device_array(n_ints, np.int32)
         self.tokens = self.ints[0:R]
         self.slots = self.ints[self._o_slots:self._o_slots + R]
         self.positions = self.ints[self._o_pos:self._o_pos + R]
+        self.attn_rows = self.ints[self._o_arows:self._o_tiles]
         self.attn_tiles = self.ints[self._o_tiles:self._o_lrows]
         self.logit_rows = self.ints[self._o_lrows:self._o_lrows + N]
         self.block_tables = self.ints[self._o_tab:n_ints]
@@ -165,7 +169,7 @@ class CudaBackend:
         self.attn_part = cuda.device_array(R * nh * MAX_SPLITS * (hd + 2), np.float32)
         self.attn_count = cuda.device_array(R * nh, np.int32)
         s.memset0(self.attn_count)
-        self._max_ctx, self._n_decode, self._n_tiles = 1, 0, 0
+        self._max_ctx, self._n_attn_rows, self._n_tiles = 1, 0, 0
         # Host staging: pinned on a device (async, capturable copies); a ring of two so a step's
         # inputs can be written while the previous step's copy may still be queued.
         pin = np.zeros if SIM else cuda.pinned_array
@@ -270,7 +274,8 @@ class CudaBackend:
                                     nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
                                     l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
             layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
-                                        [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
+                                        [self.qkv, self.dqkv, self.attn_rows, self.slots, self.positions,
+                                         self.block_tables,
                                          self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                          nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq,
                                          self.attn_part, self.attn_count, ROW_SPLITS], st, f"attn_rows[{l}]")
@@ -332,28 +337,33 @@ class CudaBackend:
         h[:R] = batch.tokens
         h[self._o_slots:self._o_slots + R] = batch.slots
         h[self._o_pos:self._o_pos + R] = batch.positions
-        tiles = self.row_tiles_of(batch)
+        rows, tiles = self.attention_plan(batch)
+        h[self._o_arows:self._o_arows + len(rows)] = rows
         h[self._o_tiles:self._o_tiles + tiles.size] = tiles.reshape(-1)
         h[self._o_lrows:self._o_lrows + N] = batch.logit_rows
         h[self._o_tab:self._o_tab + S * mb] = batch.block_tables.reshape(-1)
         self.stream.h2d(self.ints, h, self._o_tab + S * mb)
         self.stream.record(self._ring_ev[i])
         self.table_stride.value = mb
-        self._max_ctx, self._n_decode, self._n_tiles = max_ctx, batch.decode_rows, len(tiles)
+        self._max_ctx, self._n_attn_rows, self._n_tiles = max_ctx, len(rows), len(tiles)
 
-    def row_tiles_of(self, batch: StepBatch) -> np.ndarray:
-        """Prompt attention's row tiles, int32 [tiles, 2] of (first row, rows): runs of consecutive
-        prompt rows of one sequence at consecutive positions (a chunk), cut every rows_per_tile rows.
-        Where a cut falls changes nothing a row computes (k_attn_tiles), only how many rows share a K/V
-        read."""
-        slots, pos = batch.slots[batch.decode_rows:], batch.positions[batch.decode_rows:]
-        R = len(slots)
-        run_start = np.ones(R, bool)
-        run_start[1:] = (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
+    def attention_plan(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+        """Which attention kernel takes each row, a property of the row alone (its kind and position),
+        never of the batch: (rows for k_attn_rows, int32 [n]; row tiles for k_attn_tiles, int32
+        [tiles, 2] of (first row, rows)). Prompt rows at positions >= attn_tile_from go in tiles: runs
+        of consecutive rows of one sequence at consecutive positions (a chunk), cut every rows_per_tile
+        rows; where a cut falls changes nothing a row computes, only how many rows share a K/V read."""
+        R = batch.num_rows
+        tiled = (np.arange(R) >= batch.decode_rows) & (batch.positions >= self.attn_tile_from)
+        idx = np.flatnonzero(tiled)
+        slots, pos = batch.slots[idx], batch.positions[idx]
+        run_start = np.ones(len(idx), bool)
+        run_start[1:] = (np.diff(idx) != 1) | (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
         first = np.flatnonzero(run_start)
-        offset = np.arange(R) - first[np.cumsum(run_start) - 1]
+        offset = np.arange(len(idx)) - first[np.cumsum(run_start) - 1]
         starts = np.flatnonzero(offset % self.rows_per_tile == 0)
-        return np.stack([starts + batch.decode_rows, np.diff(np.append(starts, R))], axis=1).astype(np.int32)
+        tiles = np.stack([idx[starts], np.diff(np.append(starts, len(idx)))], axis=1).astype(np.int32)
+        return np.flatnonzero(~tiled).astype(np.int32), tiles
 
     def set_table_stride(self, mb: int) -> None:
         """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
@@ -390,16 +400,16 @@ class CudaBackend:
         return self._FOUR_ROWS, -(-R // 4)
 
     def attn_grids(self, max_ctx: int) -> tuple[tuple, tuple]:
-        """Attention's grids for the staged batch, its positions + 1 at most max_ctx: decode rows
-        (rows, heads, splits: a row uses those its own context needs) and prompt row tiles (tiles, KV
-        heads, splits of attn_split positions)."""
-        rows = (self._n_decode, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), ROW_SPLITS)))
+        """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time
+        (rows, heads, splits: a row uses those its own context needs) and row tiles (tiles, KV heads,
+        splits of attn_split positions)."""
+        rows = (self._n_attn_rows, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), ROW_SPLITS)))
         tiles = (self._n_tiles, self.cfg.num_kv_heads, max(1, -(-int(max_ctx) // self.attn_split)))
         return rows, tiles
 
     @staticmethod
     def launch_attention(layer: dict, grids: tuple) -> None:
-        """One layer's attention: k_attn_rows for the decode rows, k_attn_tiles for the prompt rows."""
+        """One layer's attention: k_attn_rows for the listed rows, k_attn_tiles for the row tiles."""
         rows, tiles = grids
         if rows[0]:
             layer["attn_rows"].launch(*rows)

@@ -824,11 +824,11 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
 
 
 @cuda.jit(cache=True, **_ATTN_JIT)
-def k_attn_rows(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
-           out, out_stride, part, counters, maxs):
-    """Decode rows' causal GQA attention over the paged pool, positions 0..pos: one block per (row,
-    q head, split), rows 0..gridDim.x - 1 (a decode row is alone in its sequence; k_attn_tiles serves
-    prompt rows, whose chunk shares its context).
+def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
+                scale, out, out_stride, part, counters, maxs):
+    """Causal GQA attention over the paged pool, positions 0..pos, one row at a time: one block per
+    (row, q head, split) for the rows listed in `rows` (decode rows, and prompt rows whose context is
+    too short for k_attn_tiles to pay).
 
     A row's context is cut into ns <= maxs splits of whole T-position tiles, a function of that row's
     context length alone (never of the batch). In a split, tiles run in ascending order with an online
@@ -844,7 +844,7 @@ def k_attn_rows(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs
     base_s = cuda.shared.array(MAX_TILE, nb_i64)
     red = cuda.shared.array(32, nb_f32)
     flag = cuda.shared.array(1, nb_i32)
-    r = cuda.blockIdx.x
+    r = rows[cuda.blockIdx.x]
     h = cuda.blockIdx.y
     sp = cuda.blockIdx.z
     tid = cuda.threadIdx.x
@@ -1253,8 +1253,8 @@ def signatures(storage: str) -> dict:
         "k_gemv4": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
                       i32, t.float32),
-        "k_attn_rows": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32, f32,
-                        ai, i32),
+        "k_attn_rows": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32,
+                        f32, ai, i32),
         "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
                          i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
