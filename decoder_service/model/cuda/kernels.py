@@ -279,24 +279,6 @@ else:  # -----------------------------------------------------------------------
         return sig, codegen
 
     @cuda.jit(device=True, inline="always")
-    def warp_sum(v):
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 16)
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 8)
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 4)
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
-        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
-        return v
-
-    @cuda.jit(device=True, inline="always")
-    def warp_max(v):
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 16))
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 8))
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 4))
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
-        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
-        return v
-
-    @cuda.jit(device=True, inline="always")
     def lanes_sum(v):
         """Sum over the TQ = 8 lanes of a query (an xor butterfly: every lane gets the same bits)."""
         v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 4)
@@ -310,6 +292,19 @@ else:  # -----------------------------------------------------------------------
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         return v
+
+    @cuda.jit(device=True, inline="always")
+    def warp_sum(v):
+        """The same butterfly over the whole warp: the 16- and 8-lane steps, then lanes_sum's."""
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 16)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 8)
+        return lanes_sum(v)
+
+    @cuda.jit(device=True, inline="always")
+    def warp_max(v):
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 16))
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 8))
+        return lanes_max(v)
 
 
 # ---------------------------------------------------------------------------------- device helpers
