@@ -44,6 +44,7 @@ import ctypes  # noqa: E402
 import threading  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
+_NO_TILES = np.empty((0, 2), np.int32)
 
 
 def _pad_cols(a: np.ndarray, kp: int) -> np.ndarray:
@@ -93,6 +94,7 @@ class CudaBackend:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
         self.rows_per_tile = QB // (nh // nkv)    # prompt attention: rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
+        self._row_ids = np.arange(max_rows, dtype=np.int32)
         if self.rows_per_tile < 1:
             raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
@@ -354,6 +356,8 @@ class CudaBackend:
         of consecutive rows of one sequence at consecutive positions (a chunk), cut every rows_per_tile
         rows; where a cut falls changes nothing a row computes, only how many rows share a K/V read."""
         R = batch.num_rows
+        if batch.decode_rows == R or int(batch.positions.max()) < self.attn_tile_from:
+            return self._row_ids[:R], _NO_TILES          # every row alone (decode steps: ~2 µs)
         tiled = (np.arange(R) >= batch.decode_rows) & (batch.positions >= self.attn_tile_from)
         idx = np.flatnonzero(tiled)
         slots, pos = batch.slots[idx], batch.positions[idx]
