@@ -3,8 +3,9 @@
     .venv/bin/python -m bench.host_step [--rows 1,64,256]
 
 The engine is serial with the device: after the sampler's synchronisation the host plans the next
-step, builds its block tables and checks the batch before the first launch, so every microsecond here
-is a microsecond of wall clock per step. R MetaTool requests are prefilled through a backend that
+step, builds its block tables, checks the batch and plans the CUDA backend's attention (which rows go
+to which kernel) before the first launch, so every microsecond here is a microsecond of wall clock
+per step. R MetaTool requests are prefilled through a backend that
 computes nothing (its sparse head returns zeros: every row takes its first legal token), then, with
 all R decoding, the median host time of the step's parts is printed.
 """
@@ -19,6 +20,7 @@ import numpy as np
 from bench.workload import load_workload
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.engine.sequence import State
+from decoder_service.model.cuda.backend import attention_plan
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import ModelTokenizer
 
@@ -53,8 +55,8 @@ def main() -> None:
     args = p.parse_args()
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
     trie, queries = load_workload("metatool", tok)
-    print("| decoding rows | plan µs | block tables µs | batch check µs |")
-    print("| --- | --- | --- | --- |")
+    print("| decoding rows | plan µs | block tables µs | batch check µs | attention plan µs |")
+    print("| --- | --- | --- | --- | --- |")
     for rows in (int(r) for r in args.rows.split(",")):
         engine = DecodeEngine(NullBackend(), tok, NUM_BLOCKS, BLOCK, 8192,
                               EngineConfig(max_seqs=rows, max_step_tokens=1 << 20))   # one prefill step
@@ -67,8 +69,10 @@ def main() -> None:
         assert all(s.state == State.DECODE for s in engine.scheduler.running)
         plan = engine.scheduler.plan()
         batch = engine._batch(plan)
+        ctx = int(batch.positions.max()) + 1
         print(f"| {rows} | {median_us(engine.scheduler.plan):.0f} | {median_us(lambda: engine._batch(plan)):.0f} | "
-              f"{median_us(lambda: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} |", flush=True)
+              f"{median_us(lambda: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} | "
+              f"{median_us(lambda: attention_plan(batch, ctx, 2048, 5)):.1f} |", flush=True)
 
 
 if __name__ == "__main__":

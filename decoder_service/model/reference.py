@@ -28,6 +28,21 @@ def rope(x: np.ndarray, positions: np.ndarray, theta: float) -> np.ndarray:
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
+def attend(k: np.ndarray, v: np.ndarray, table_row: np.ndarray, pos: int, q: np.ndarray) -> np.ndarray:
+    """Causal GQA attention of one row's heads q [nh, d] over positions 0..pos of its sequence, whose
+    K/V live in one layer of a paged pool, k and v [blocks, block_size, nkv, d], at the blocks of
+    table_row."""
+    bs, group = k.shape[1], q.shape[0] // k.shape[2]
+    span = np.arange(pos + 1)
+    blocks = table_row[span // bs]
+    keys = np.repeat(k[blocks, span % bs], group, axis=1)                    # [T, nh, d]
+    values = np.repeat(v[blocks, span % bs], group, axis=1)
+    scores = np.einsum("hd,thd->ht", q, keys) / np.sqrt(q.shape[1])          # [nh, T]
+    probs = np.exp(scores - scores.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    return np.einsum("ht,thd->hd", probs, values)
+
+
 def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
@@ -62,7 +77,9 @@ class ReferenceModel:
                 k = rms_norm(k, w["k_norm"][layer], cfg.rms_norm_eps)
             q, k = rope(q, batch.positions, cfg.rope_theta), rope(k, batch.positions, cfg.rope_theta)
             self._write_kv(layer, batch, k, v)
-            attn = np.stack([self._attend(layer, batch, r, q[r]) for r in range(R)])
+            k_pool, v_pool = self.pool.k[layer], self.pool.v[layer]
+            attn = np.stack([attend(k_pool, v_pool, batch.block_tables[batch.slots[r]], batch.positions[r], q[r])
+                             for r in range(R)])
             x = x + attn.reshape(R, nh * d) @ w["wo"][layer].T
             h = rms_norm(x, w["mlp_norm"][layer], cfg.rms_norm_eps)
             gate, up = np.split(h @ w["w_gate_up"][layer].T, 2, axis=1)
@@ -76,18 +93,6 @@ class ReferenceModel:
             block = batch.block_tables[batch.slots[r], pos // bs]
             self.pool.k[layer, block, pos % bs] = k[r]
             self.pool.v[layer, block, pos % bs] = v[r]
-
-    def _attend(self, layer: int, batch: StepBatch, r: int, q: np.ndarray) -> np.ndarray:
-        """Causal GQA attention of one row's heads q [nh, d] over positions 0..pos of its sequence."""
-        bs, group = self.pool.spec.block_size, self.cfg.num_heads // self.cfg.num_kv_heads
-        span = np.arange(batch.positions[r] + 1)
-        blocks = batch.block_tables[batch.slots[r], span // bs]
-        keys = np.repeat(self.pool.k[layer, blocks, span % bs], group, axis=1)     # [T, nh, d]
-        values = np.repeat(self.pool.v[layer, blocks, span % bs], group, axis=1)
-        scores = np.einsum("hd,thd->ht", q, keys) / np.sqrt(self.cfg.head_dim)   # [nh, T]
-        probs = np.exp(scores - scores.max(axis=1, keepdims=True))
-        probs /= probs.sum(axis=1, keepdims=True)
-        return np.einsum("ht,thd->hd", probs, values)
 
     def dense_logits(self) -> np.ndarray:
         return self.hidden @ self.w["lm_head"].T

@@ -47,6 +47,29 @@ _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (gr
 _NO_TILES = np.empty((0, 2), np.int32)
 
 
+def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int,
+                   rows_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+    """Which attention kernel takes each row, a property of the row alone (its kind and position),
+    never of the batch: (rows for k_attn_rows, int32 [n]; row tiles for k_attn_tiles, int32 [tiles, 2]
+    of (first row, rows)). Prompt rows at positions >= tile_from go in tiles: runs of consecutive rows
+    of one sequence at consecutive positions (a chunk), cut every rows_per_tile rows; where a cut
+    falls changes nothing a row computes, only how many rows share a K/V read. max_ctx is the batch's
+    largest position + 1 (a step of decode rows, or of short contexts only, skips the tile search)."""
+    R = batch.num_rows
+    if batch.decode_rows == R or max_ctx <= tile_from:
+        return np.arange(R, dtype=np.int32), _NO_TILES
+    tiled = (np.arange(R) >= batch.decode_rows) & (batch.positions >= tile_from)
+    idx = np.flatnonzero(tiled)
+    slots, pos = batch.slots[idx], batch.positions[idx]
+    run_start = np.ones(len(idx), bool)
+    run_start[1:] = (np.diff(idx) != 1) | (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
+    first = np.flatnonzero(run_start)
+    offset = np.arange(len(idx)) - first[np.cumsum(run_start) - 1]
+    starts = np.flatnonzero(offset % rows_per_tile == 0)
+    tiles = np.stack([idx[starts], np.diff(np.append(starts, len(idx)))], axis=1).astype(np.int32)
+    return np.flatnonzero(~tiled).astype(np.int32), tiles
+
+
 def _pad_cols(a: np.ndarray, kp: int) -> np.ndarray:
     """Rows padded with zeros to kp columns (no copy when already kp wide and contiguous)."""
     if a.shape[-1] == kp:
@@ -94,7 +117,6 @@ class CudaBackend:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
         self.rows_per_tile = QB // (nh // nkv)    # prompt attention: rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
-        self._row_ids = np.arange(max_rows, dtype=np.int32)
         if self.rows_per_tile < 1:
             raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
@@ -277,10 +299,10 @@ class CudaBackend:
                                     l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
             layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
                                         [self.qkv, self.dqkv, self.attn_rows, self.slots, self.positions,
-                                         self.block_tables,
-                                         self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                         nkv, hd, nh // nkv, 1.0 / math.sqrt(hd), self.att, kq,
-                                         self.attn_part, self.attn_count, ROW_SPLITS], st, f"attn_rows[{l}]")
+                                         self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
+                                         self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
+                                         self.att, kq, self.attn_part, self.attn_count, ROW_SPLITS],
+                                        st, f"attn_rows[{l}]")
             layer["attn_tiles"] = Launch(k["k_attn_tiles"], QB * TQ, attn_shmem,
                                          [self.qkv, self.dqkv, self.positions, self.attn_tiles, self.slots,
                                           self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
@@ -339,7 +361,7 @@ class CudaBackend:
         h[:R] = batch.tokens
         h[self._o_slots:self._o_slots + R] = batch.slots
         h[self._o_pos:self._o_pos + R] = batch.positions
-        rows, tiles = self.attention_plan(batch)
+        rows, tiles = attention_plan(batch, max_ctx, self.attn_tile_from, self.rows_per_tile)
         h[self._o_arows:self._o_arows + len(rows)] = rows
         h[self._o_tiles:self._o_tiles + tiles.size] = tiles.reshape(-1)
         h[self._o_lrows:self._o_lrows + N] = batch.logit_rows
@@ -349,30 +371,9 @@ class CudaBackend:
         self.table_stride.value = mb
         self._max_ctx, self._n_attn_rows, self._n_tiles = max_ctx, len(rows), len(tiles)
 
-    def attention_plan(self, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
-        """Which attention kernel takes each row, a property of the row alone (its kind and position),
-        never of the batch: (rows for k_attn_rows, int32 [n]; row tiles for k_attn_tiles, int32
-        [tiles, 2] of (first row, rows)). Prompt rows at positions >= attn_tile_from go in tiles: runs
-        of consecutive rows of one sequence at consecutive positions (a chunk), cut every rows_per_tile
-        rows; where a cut falls changes nothing a row computes, only how many rows share a K/V read."""
-        R = batch.num_rows
-        if batch.decode_rows == R or int(batch.positions.max()) < self.attn_tile_from:
-            return self._row_ids[:R], _NO_TILES          # every row alone (decode steps: ~2 µs)
-        tiled = (np.arange(R) >= batch.decode_rows) & (batch.positions >= self.attn_tile_from)
-        idx = np.flatnonzero(tiled)
-        slots, pos = batch.slots[idx], batch.positions[idx]
-        run_start = np.ones(len(idx), bool)
-        run_start[1:] = (np.diff(idx) != 1) | (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
-        first = np.flatnonzero(run_start)
-        offset = np.arange(len(idx)) - first[np.cumsum(run_start) - 1]
-        starts = np.flatnonzero(offset % self.rows_per_tile == 0)
-        tiles = np.stack([idx[starts], np.diff(np.append(starts, len(idx)))], axis=1).astype(np.int32)
-        return np.flatnonzero(~tiled).astype(np.int32), tiles
-
     def set_table_stride(self, mb: int) -> None:
         """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
         self.table_stride.value = int(mb)
-
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input

@@ -951,8 +951,8 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
 
 
 @cuda.jit(cache=True)
-def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
-           split, out, out_stride, part, counters, maxs):
+def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
+                 scale, split, out, out_stride, part, counters, maxs):
     """Prompt rows' causal GQA attention over the paged pool: one block per (row tile, KV head,
     context split).
 
@@ -981,8 +981,9 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
     r0 = tiles[2 * tile]
-    nq = tiles[2 * tile + 1] * group
-    n_max = positions[r0 + nq // group - 1] + 1
+    nrows = tiles[2 * tile + 1]
+    nq = nrows * group
+    n_max = positions[r0 + nrows - 1] + 1    # the tile's rows are at consecutive positions
     ns = (n_max + split - 1) // split
     if sp >= ns:
         return
@@ -1138,7 +1139,7 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
         d = i - qq * hd
         rq = r0 + qq // group
         hq = kvh * group + qq % group
-        nk = (positions[rq] + split) // split
+        nk = (positions[rq] + split) // split    # = ceil((position + 1) / split), as nsq
         src = (np.int64(rq) * nkv * group + hq) * maxs * stride + 2 + d
         wq = ko + qq * maxs
         o = ld_l2(part, src) * sh[np.uint64(wq)]
