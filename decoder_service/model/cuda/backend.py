@@ -36,7 +36,7 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import MAX_SPLITS, QB, ROW_SPLITS, SIM, TP, TQ, WARP, attn_shared_floats
+from .kernels import MAX_SPLITS, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_shared_floats
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -203,14 +203,14 @@ class CudaBackend:
         self._cand_host = pin(N * C + N, np.int32)
         self._out_host = pin(max(N * V, N * C), np.float32)
         self.table_stride = Scalar(ctypes.c_int32, 1)
-        self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step (4-row GEMV tiles)
+        self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step (GEMV row tiles)
         self.n_logit = Scalar(ctypes.c_int32, 1)       # logit rows of this step (dense head tiles)
         self._R = self._N = 0
         self._threads = {threading.get_ident()}
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
-                        ("k_embed", "k_gemv", "k_gemv4", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
+                        ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
                          "k_final_norm", "k_sparse")}
         self._build_launches()
         s.synchronize()
@@ -254,18 +254,19 @@ class CudaBackend:
 
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
                    bias, use_bias: int, out, out_stride: int, mode: int):
-        """(launch, grid_x, resident wave) for one row and for 4-row tiles of the same product."""
+        """(launch, grid_x, resident wave) for one row and for row tiles of the same product."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
         args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
                 out, out_stride, mode, self.prefetch, epl]
-        k1, k4 = self.kernels["k_gemv"], self.kernels["k_gemv4"]
+        k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
+        tile_shmem = TILE_ROWS * kp * 4
         l1 = Launch(k1, t, kp * 4, args, st, name)
-        l4 = Launch(k4, t, 4 * kp * 4, args + [self.n_rows if name != "dense_head" else self.n_logit],
-                    st, name + "/4")
-        return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (l4, *self._gemv_grid(k4, t, N, 4 * kp * 4))
+        lt = Launch(kt, t, tile_shmem, args + [self.n_rows if name != "dense_head" else self.n_logit],
+                    st, name + "/tile")
+        return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (lt, *self._gemv_grid(kt, t, N, tile_shmem))
 
     def _build_launches(self) -> None:
         cfg, k, st = self.cfg, self.kernels, self.stream.handle
@@ -275,7 +276,6 @@ class CudaBackend:
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
         attn_shmem = attn_shared_floats(hd, MAX_SPLITS) * 4
-        k["k_attn_tiles"].allow_dynamic_shared(attn_shmem)
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
                               [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
         self.layers = []
@@ -289,7 +289,7 @@ class CudaBackend:
             bias = self.b_qkv[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv
             kvo = l * self.kv_layer_elems
             layer = {}
-            layer["qkv"], layer["qkv/4"] = self._gemv_pair(
+            layer["qkv"], layer["qkv/tile"] = self._gemv_pair(
                 f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
                 self.qkv, self.dqkv, 0)
             layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
@@ -309,17 +309,17 @@ class CudaBackend:
                                           self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
                                           self.attn_split, self.att, kq, self.attn_part, self.attn_count,
                                           MAX_SPLITS], st, f"attn_tiles[{l}]")
-            layer["o"], layer["o/4"] = self._gemv_pair(
+            layer["o"], layer["o/tile"] = self._gemv_pair(
                 f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H, self.b_qkv, 0, self.x, kh, 1)
-            layer["gate_up"], layer["gate_up/4"] = self._gemv_pair(
+            layer["gate_up"], layer["gate_up/tile"] = self._gemv_pair(
                 f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I, self.b_qkv, 0, self.act, ki, 2)
-            layer["down"], layer["down/4"] = self._gemv_pair(
+            layer["down"], layer["down/tile"] = self._gemv_pair(
                 f"down[{l}]", self.act, ki, nm, 0, wd, I, ki, H, self.b_qkv, 0, self.x, kh, 1)
             self.layers.append(layer)
         self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
                               [self.x, kh, self.logit_rows, self.n_final, eps, H, kh // 8, self.hidden, kh],
                               st, "final_norm")
-        self.l_dense, self.l_dense4 = self._gemv_pair(
+        self.l_dense, self.l_dense_tile = self._gemv_pair(
             "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V, self.b_qkv, 0,
             self.logits, V, 0)
         nwc = self.t_gemv // WARP
@@ -377,7 +377,8 @@ class CudaBackend:
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
-        row runs the one-row GEMVs; more run 4-row tiles (same arithmetic per element; launch_tiles).
+        row runs the one-row GEMVs; more run tiles of TILE_ROWS rows (same arithmetic per element;
+        launch_tiles).
         max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
         for a bound serves every batch within it."""
         nq = self.cfg.num_heads + self.cfg.num_kv_heads
@@ -394,15 +395,15 @@ class CudaBackend:
             self.l_final.launch(N)
 
     _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
-    _FOUR_ROWS = {k: k + "/4" for k in _ONE_ROW}
+    _ROW_TILES = {k: k + "/tile" for k in _ONE_ROW}
 
     def row_tiles(self, R: int) -> tuple[dict, int]:
         """The GEMV launches for R rows (layer key of each matrix) and their row tiles: the one-row
-        kernels for one row, 4-row tiles beyond (and `n_rows` set for them)."""
+        kernels for one row, tiles of TILE_ROWS rows beyond (and `n_rows` set for them)."""
         if R == 1:
             return self._ONE_ROW, 1
         self.n_rows.value = R
-        return self._FOUR_ROWS, -(-R // 4)
+        return self._ROW_TILES, -(-R // TILE_ROWS)
 
     def attn_grids(self, max_ctx: int) -> tuple[tuple, tuple]:
         """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time
@@ -435,7 +436,7 @@ class CudaBackend:
             self.launch_tiles(self.l_dense, 1)
         elif N > 1:
             self.n_logit.value = N
-            self.launch_tiles(self.l_dense4, -(-N // 4))
+            self.launch_tiles(self.l_dense_tile, -(-N // TILE_ROWS))
 
     def stage_candidates(self, cand: np.ndarray, n: np.ndarray) -> None:
         """cand int32 [N, C <= max_candidates], n int32 [N] into `cand` (row stride max_candidates)."""

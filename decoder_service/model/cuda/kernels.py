@@ -33,6 +33,9 @@ from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
+TILE_ROWS = 4 if SIM else 8   # k_gemv_tile: input rows per block (each weight chunk read once for them)
+TILE_ACC = 4 * TILE_ROWS      # k_gemv_tile: a lane's partial sums (2 weight rows x even/odd x rows)
+TILE_RED = 32 * TILE_ROWS     # k_gemv_tile: the rows' per-warp norm partials (up to 32 warps)
 MAX_SPLITS = 64         # attention: at most this many context splits per query
 ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) (its perf log b6 setting)
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
@@ -449,7 +452,7 @@ def dot2(W, wa, wb, xs, Q, lane):
     elements into one accumulator and odd into another, then the xor butterfly. Four chunks per trip
     (eight 16-byte loads in flight per lane; out-of-range chunks load a valid duplicate and are not
     accumulated). The arithmetic of a row never depends on its partner, the trip grouping or the
-    launch: dot2x4 and the sparse head produce the same bits for the same row and vector."""
+    launch: dot2_rows and the sparse head produce the same bits for the same row and vector."""
     a0 = np.float32(0.0)
     a1 = np.float32(0.0)
     b0 = np.float32(0.0)
@@ -491,26 +494,13 @@ def dot2(W, wa, wb, xs, Q, lane):
 
 
 @cuda.jit(device=True, inline="always")
-def dot2x4(W, wa, wb, xs, Q, lane):
-    """dot2 for four staged vectors at once (planar rows at xs[0], xs[8Q], xs[16Q], xs[24Q]): each
-    weight chunk is loaded once and used four times. Per (row, vector) the same operations in the
-    same order as dot2, so a row's result is bit-identical whichever kernel computed it."""
-    a0 = np.float32(0.0)
-    a1 = np.float32(0.0)
-    b0 = np.float32(0.0)
-    b1 = np.float32(0.0)
-    c0 = np.float32(0.0)
-    c1_ = np.float32(0.0)
-    d0 = np.float32(0.0)
-    d1 = np.float32(0.0)
-    e0 = np.float32(0.0)
-    e1 = np.float32(0.0)
-    f0 = np.float32(0.0)
-    f1 = np.float32(0.0)
-    g0 = np.float32(0.0)
-    g1 = np.float32(0.0)
-    h0 = np.float32(0.0)
-    h1 = np.float32(0.0)
+def dot2_rows(W, wa, wb, xs, Q, lane, n, acc):
+    """dot2 for the tile's first n staged vectors (planar rows at xs[i * 8Q]): each weight chunk is
+    loaded once and used n times. acc[4i .. 4i+3] end as the even/odd partials of (row a, vector i)
+    and (row b, vector i): per (row, vector) the same operations in the same order as dot2, so a row's
+    result is bit-identical whichever kernel computed it. n is uniform over the warp."""
+    for i in range(TILE_ACC):
+        acc[i] = np.float32(0.0)
     last = Q - 1
     S = 8 * Q
     q = lane
@@ -521,34 +511,18 @@ def dot2x4(W, wa, wb, xs, Q, lane):
         uq = ld8(W, wb + q * 8)
         w1 = ld8(W, wa + k1)
         u1 = ld8(W, wb + k1)
-        xv = xchunk(xs, 0, Q, q)
-        a0, a1 = acc8t(a0, a1, wq, xv)
-        b0, b1 = acc8t(b0, b1, uq, xv)
-        xv = xchunk(xs, S, Q, q)
-        c0, c1_ = acc8t(c0, c1_, wq, xv)
-        d0, d1 = acc8t(d0, d1, uq, xv)
-        xv = xchunk(xs, 2 * S, Q, q)
-        e0, e1 = acc8t(e0, e1, wq, xv)
-        f0, f1 = acc8t(f0, f1, uq, xv)
-        xv = xchunk(xs, 3 * S, Q, q)
-        g0, g1 = acc8t(g0, g1, wq, xv)
-        h0, h1 = acc8t(h0, h1, uq, xv)
+        for i in range(TILE_ROWS):
+            if i < n:
+                xv = xchunk(xs, i * S, Q, q)
+                acc[4 * i], acc[4 * i + 1] = acc8t(acc[4 * i], acc[4 * i + 1], wq, xv)
+                acc[4 * i + 2], acc[4 * i + 3] = acc8t(acc[4 * i + 2], acc[4 * i + 3], uq, xv)
         if q1 < Q:
-            xv = xchunk(xs, 0, Q, q1)
-            a0, a1 = acc8t(a0, a1, w1, xv)
-            b0, b1 = acc8t(b0, b1, u1, xv)
-            xv = xchunk(xs, S, Q, q1)
-            c0, c1_ = acc8t(c0, c1_, w1, xv)
-            d0, d1 = acc8t(d0, d1, u1, xv)
-            xv = xchunk(xs, 2 * S, Q, q1)
-            e0, e1 = acc8t(e0, e1, w1, xv)
-            f0, f1 = acc8t(f0, f1, u1, xv)
-            xv = xchunk(xs, 3 * S, Q, q1)
-            g0, g1 = acc8t(g0, g1, w1, xv)
-            h0, h1 = acc8t(h0, h1, u1, xv)
+            for i in range(TILE_ROWS):
+                if i < n:
+                    xv = xchunk(xs, i * S, Q, q1)
+                    acc[4 * i], acc[4 * i + 1] = acc8t(acc[4 * i], acc[4 * i + 1], w1, xv)
+                    acc[4 * i + 2], acc[4 * i + 3] = acc8t(acc[4 * i + 2], acc[4 * i + 3], u1, xv)
         q += 2 * WARP
-    return (warp_sum(a0 + a1), warp_sum(b0 + b1), warp_sum(c0 + c1_), warp_sum(d0 + d1),
-            warp_sum(e0 + e1), warp_sum(f0 + f1), warp_sum(g0 + g1), warp_sum(h0 + h1))
 
 
 @cuda.jit(device=True, inline="always")
@@ -721,44 +695,102 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
             gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode)
 
 
+@cuda.jit(device=True, inline="always")
+def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K, Q, tid, T, red, nw):
+    """stage_row for the tile's rows r0 .. r0 + TILE_ROWS - 1 (row i planar at xs[i * 8Q]; rows past R
+    repeat row R - 1 and are never stored): every row's loads of a chunk are issued together, and one
+    block reduction serves all the rows' norms. Per row the arithmetic of stage_row: each thread sums
+    its chunks t, t + T, ... in ascending order, then the warp butterfly and the warps in ascending
+    order. Block-uniform call (contains a barrier when use_norm)."""
+    ss = cuda.local.array(TILE_ROWS, nb_f32)
+    xb = cuda.local.array(TILE_ROWS, nb_i64)
+    S = 8 * Q
+    for i in range(TILE_ROWS):
+        ss[i] = np.float32(0.0)
+        src = min(r0 + i, R - 1)
+        if use_map != 0:
+            src = row_map[src]
+        xb[i] = np.int64(src) * x_stride
+    for c in range(tid, Q, T):
+        for i in range(TILE_ROWS):
+            v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xb[i] + c * 8)
+            o = i * S + c
+            xs[o] = v0
+            xs[o + Q] = v1
+            xs[o + 2 * Q] = v2
+            xs[o + 3 * Q] = v3
+            xs[o + 4 * Q] = v4
+            xs[o + 5 * Q] = v5
+            xs[o + 6 * Q] = v6
+            xs[o + 7 * Q] = v7
+            s = ss[i]
+            s += v0 * v0
+            s += v1 * v1
+            s += v2 * v2
+            s += v3 * v3
+            s += v4 * v4
+            s += v5 * v5
+            s += v6 * v6
+            s += v7 * v7
+            ss[i] = s
+    if use_norm == 0:
+        return
+    for i in range(TILE_ROWS):
+        v = warp_sum(ss[i])
+        if tid % WARP == 0:
+            red[i * nw + tid // WARP] = v
+    cuda.syncthreads()
+    for i in range(TILE_ROWS):
+        s = red[i * nw]
+        for w in range(1, nw):
+            s += red[i * nw + w]
+        inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
+        for c in range(tid, Q, T):
+            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
+            o = i * S + c
+            xs[o] = xs[o] * inv * g0
+            xs[o + Q] = xs[o + Q] * inv * g1
+            xs[o + 2 * Q] = xs[o + 2 * Q] * inv * g2
+            xs[o + 3 * Q] = xs[o + 3 * Q] * inv * g3
+            xs[o + 4 * Q] = xs[o + 4 * Q] * inv * g4
+            xs[o + 5 * Q] = xs[o + 5 * Q] * inv * g5
+            xs[o + 6 * Q] = xs[o + 6 * Q] * inv * g6
+            xs[o + 7 * Q] = xs[o + 7 * Q] * inv * g7
+
+
 @cuda.jit(cache=True)
-def k_gemv4(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-            out, out_stride, mode, pf, epl, R):
-    """k_gemv for four input rows per blockIdx.y (rows 4y..4y+3, the last clamped to R-1 and not
-    stored): each weight chunk is read once for four rows. Per output element the same arithmetic as
-    k_gemv. Dynamic shared memory: 32Q floats."""
+def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
+                out, out_stride, mode, pf, epl, R):
+    """k_gemv for TILE_ROWS input rows per blockIdx.y (rows from TILE_ROWS * y; a last partial tile
+    stores only rows below R): each weight chunk is read once for the tile's rows. Per output element
+    the same arithmetic as k_gemv. Dynamic shared memory: TILE_ROWS * 8Q floats."""
     xs = cuda.shared.array(0, nb_f32)
-    red = cuda.shared.array(32, nb_f32)
+    red = cuda.shared.array(TILE_RED, nb_f32)
+    acc = cuda.local.array(TILE_ACC, nb_f32)
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
     nw = T // WARP
     lane = tid % WARP
-    r0 = cuda.blockIdx.y * 4
+    r0 = cuda.blockIdx.y * TILE_ROWS
+    n = min(TILE_ROWS, R - r0)
     npairs = (N + 1) // 2
     Kp = np.int64(Q) * 8
     p0 = cuda.blockIdx.x * nw + tid // WARP
     if pf != 0 and p0 < npairs:
         prefetch_row(W, 2 * p0 * Kp, Kp, lane, pf, epl)
         prefetch_row(W, min(2 * p0 + 1, N - 1) * Kp, Kp, lane, pf, epl)
-    for i in range(4):
-        r = min(r0 + i, R - 1)
-        src = r
-        if use_map != 0:
-            src = row_map[r]
-        stage_row(xs, i * Kp, x, np.int64(src) * x_stride, gamma, eps, use_norm, K, Q, tid, T, red, nw)
+    stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K, Q, tid, T, red, nw)
     cuda.syncthreads()
     for p in range(p0, npairs, cuda.gridDim.x * nw):
         ra = 2 * p
         rb = ra + 1
-        a, b, c, d, e, f, g, h = dot2x4(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
-        if lane == 0:
-            gemv_store(out, np.int64(r0) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
-            if r0 + 1 < R:
-                gemv_store(out, np.int64(r0 + 1) * out_stride, p, ra, rb, N, c, d, bias, use_bias, mode)
-            if r0 + 2 < R:
-                gemv_store(out, np.int64(r0 + 2) * out_stride, p, ra, rb, N, e, f, bias, use_bias, mode)
-            if r0 + 3 < R:
-                gemv_store(out, np.int64(r0 + 3) * out_stride, p, ra, rb, N, g, h, bias, use_bias, mode)
+        dot2_rows(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane, n, acc)
+        for i in range(TILE_ROWS):
+            if i < n:
+                a = warp_sum(acc[4 * i] + acc[4 * i + 1])
+                b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
+                if lane == 0:
+                    gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
 
 
 @cuda.jit(cache=True)
@@ -1246,7 +1278,7 @@ def signatures(storage: str) -> dict:
     return {
         "k_embed": (ai, W, i32, f32, i32),
         "k_gemv": gemv,
-        "k_gemv4": gemv + (i32,),
+        "k_gemv_tile": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
                       i32, t.float32),
         "k_attn_rows": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32,
@@ -1258,6 +1290,6 @@ def signatures(storage: str) -> dict:
     }
 
 
-KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv4": k_gemv4, "k_rope_kv": k_rope_kv,
+KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
            "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse}

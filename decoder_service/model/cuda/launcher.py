@@ -89,7 +89,7 @@ class Kernel:
         self.attrs = None
         self.module = None  # the loaded module: its global symbols (constant memory) live there
         self.cache_hit = None
-        self._max_dyn_shared = 48 * 1024
+        self._max_dyn_shared = 0
         if SIM:
             return
         hits_before = sum(self.dispatcher._cache_hits.values())
@@ -97,6 +97,7 @@ class Kernel:
         self.cache_hit = sum(self.dispatcher._cache_hits.values()) > hits_before
         cufunc = compiled._codelibrary.get_cufunc()
         self.attrs = cufunc.attrs
+        self._max_dyn_shared = 48 * 1024 - self.attrs.shared   # the default: 48 KiB less static shared
         self.module = cufunc.module
         handle = cufunc.handle
         if isinstance(handle, drv.CUfunction):
