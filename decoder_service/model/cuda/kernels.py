@@ -340,6 +340,47 @@ def block_max(v, red, tid, nw):
 
 
 @cuda.jit(device=True, inline="always")
+def put_chunk(xs, o, Q, ss, v0, v1, v2, v3, v4, v5, v6, v7):
+    """Store one 8-element chunk into the planar layout (element e at xs[o + e*Q]); return ss plus the
+    chunk's squares, added in order."""
+    xs[o] = v0
+    xs[o + Q] = v1
+    xs[o + 2 * Q] = v2
+    xs[o + 3 * Q] = v3
+    xs[o + 4 * Q] = v4
+    xs[o + 5 * Q] = v5
+    xs[o + 6 * Q] = v6
+    xs[o + 7 * Q] = v7
+    ss += v0 * v0
+    ss += v1 * v1
+    ss += v2 * v2
+    ss += v3 * v3
+    ss += v4 * v4
+    ss += v5 * v5
+    ss += v6 * v6
+    ss += v7 * v7
+    return ss
+
+
+@cuda.jit(device=True, inline="always")
+def scale_chunks(xs, xo, gamma, inv, Q, tid, T):
+    """RMSNorm's rescale of the chunks t, t+T, ... of the planar row at xs[xo:] (those thread t
+    staged): x * inv * gamma."""
+    c = tid
+    while c < Q:
+        g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
+        xs[xo + c] = xs[xo + c] * inv * g0
+        xs[xo + Q + c] = xs[xo + Q + c] * inv * g1
+        xs[xo + 2 * Q + c] = xs[xo + 2 * Q + c] * inv * g2
+        xs[xo + 3 * Q + c] = xs[xo + 3 * Q + c] * inv * g3
+        xs[xo + 4 * Q + c] = xs[xo + 4 * Q + c] * inv * g4
+        xs[xo + 5 * Q + c] = xs[xo + 5 * Q + c] * inv * g5
+        xs[xo + 6 * Q + c] = xs[xo + 6 * Q + c] * inv * g6
+        xs[xo + 7 * Q + c] = xs[xo + 7 * Q + c] * inv * g7
+        c += T
+
+
+@cuda.jit(device=True, inline="always")
 def stage_row(xs, xo, x, xb, gamma, eps, use_norm, K, Q, tid, T, red, nw):
     """Stage the row x[xb : xb + 8Q] (its padding beyond K is zero in memory) into shared memory at
     xs[xo:], in 8 planes (plane e holds element 8q+e at e*Q+q: lane l reading chunk q touches bank
@@ -356,55 +397,14 @@ def stage_row(xs, xo, x, xb, gamma, eps, use_norm, K, Q, tid, T, red, nw):
         cc = c2 if c2 < Q else c
         v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xb + c * 8)
         y0, y1, y2, y3, y4, y5, y6, y7 = ld8(x, xb + cc * 8)
-        xs[xo + c] = v0
-        xs[xo + Q + c] = v1
-        xs[xo + 2 * Q + c] = v2
-        xs[xo + 3 * Q + c] = v3
-        xs[xo + 4 * Q + c] = v4
-        xs[xo + 5 * Q + c] = v5
-        xs[xo + 6 * Q + c] = v6
-        xs[xo + 7 * Q + c] = v7
-        ss += v0 * v0
-        ss += v1 * v1
-        ss += v2 * v2
-        ss += v3 * v3
-        ss += v4 * v4
-        ss += v5 * v5
-        ss += v6 * v6
-        ss += v7 * v7
+        ss = put_chunk(xs, xo + c, Q, ss, v0, v1, v2, v3, v4, v5, v6, v7)
         if c2 < Q:
-            xs[xo + c2] = y0
-            xs[xo + Q + c2] = y1
-            xs[xo + 2 * Q + c2] = y2
-            xs[xo + 3 * Q + c2] = y3
-            xs[xo + 4 * Q + c2] = y4
-            xs[xo + 5 * Q + c2] = y5
-            xs[xo + 6 * Q + c2] = y6
-            xs[xo + 7 * Q + c2] = y7
-            ss += y0 * y0
-            ss += y1 * y1
-            ss += y2 * y2
-            ss += y3 * y3
-            ss += y4 * y4
-            ss += y5 * y5
-            ss += y6 * y6
-            ss += y7 * y7
+            ss = put_chunk(xs, xo + c2, Q, ss, y0, y1, y2, y3, y4, y5, y6, y7)
         c += 2 * T
     if use_norm != 0:
         ss = block_sum(ss, red, tid, nw)
         inv = np.float32(1.0) / math.sqrt(ss / np.float32(K) + eps)
-        c = tid
-        while c < Q:
-            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
-            xs[xo + c] = xs[xo + c] * inv * g0
-            xs[xo + Q + c] = xs[xo + Q + c] * inv * g1
-            xs[xo + 2 * Q + c] = xs[xo + 2 * Q + c] * inv * g2
-            xs[xo + 3 * Q + c] = xs[xo + 3 * Q + c] * inv * g3
-            xs[xo + 4 * Q + c] = xs[xo + 4 * Q + c] * inv * g4
-            xs[xo + 5 * Q + c] = xs[xo + 5 * Q + c] * inv * g5
-            xs[xo + 6 * Q + c] = xs[xo + 6 * Q + c] * inv * g6
-            xs[xo + 7 * Q + c] = xs[xo + 7 * Q + c] * inv * g7
-            c += T
+        scale_chunks(xs, xo, gamma, inv, Q, tid, T)
 
 
 @cuda.jit(device=True, inline="always")
@@ -714,25 +714,7 @@ def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K
     for c in range(tid, Q, T):
         for i in range(TILE_ROWS):
             v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xb[i] + c * 8)
-            o = i * S + c
-            xs[o] = v0
-            xs[o + Q] = v1
-            xs[o + 2 * Q] = v2
-            xs[o + 3 * Q] = v3
-            xs[o + 4 * Q] = v4
-            xs[o + 5 * Q] = v5
-            xs[o + 6 * Q] = v6
-            xs[o + 7 * Q] = v7
-            s = ss[i]
-            s += v0 * v0
-            s += v1 * v1
-            s += v2 * v2
-            s += v3 * v3
-            s += v4 * v4
-            s += v5 * v5
-            s += v6 * v6
-            s += v7 * v7
-            ss[i] = s
+            ss[i] = put_chunk(xs, i * S + c, Q, ss[i], v0, v1, v2, v3, v4, v5, v6, v7)
     if use_norm == 0:
         return
     for i in range(TILE_ROWS):
@@ -745,17 +727,7 @@ def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K
         for w in range(1, nw):
             s += red[i * nw + w]
         inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
-        for c in range(tid, Q, T):
-            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
-            o = i * S + c
-            xs[o] = xs[o] * inv * g0
-            xs[o + Q] = xs[o + Q] * inv * g1
-            xs[o + 2 * Q] = xs[o + 2 * Q] * inv * g2
-            xs[o + 3 * Q] = xs[o + 3 * Q] * inv * g3
-            xs[o + 4 * Q] = xs[o + 4 * Q] * inv * g4
-            xs[o + 5 * Q] = xs[o + 5 * Q] * inv * g5
-            xs[o + 6 * Q] = xs[o + 6 * Q] * inv * g6
-            xs[o + 7 * Q] = xs[o + 7 * Q] * inv * g7
+        scale_chunks(xs, i * S, gamma, inv, Q, tid, T)
 
 
 @cuda.jit(cache=True)
