@@ -9,7 +9,8 @@ script) and reports JSON; each test asserts one case. The same cases run on a re
 Checks (per case): logits of prefill, decode and mixed ragged batches over non-contiguous block
 tables match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same
 argmax); the sparse head equals the dense head's logits for the same candidates bit for bit; a row's
-logits are bit-identical alone and inside a mixed batch, and a prompt's last row is bit-identical
+logits are bit-identical alone (a decode step alone replays a captured graph) and inside a mixed
+batch (launched one kernel at a time), and a prompt's last row is bit-identical
 whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
 the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_tiles), decode rows and
 earlier prompt rows one at a time (k_attn_rows); tiles split every 8 positions under the simulator,
@@ -64,6 +65,7 @@ def _assert_case(res: dict, name: str) -> None:
         assert c["ok"], f"{name} / {c['tag']}: {c}"
     assert r["sparse_tiles_ok"], r
     assert r["deterministic"], "a row's logits changed with the batch it was in"
+    assert r["graphs"] >= 1, "decode-only steps did not replay a captured graph"
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
 
@@ -119,7 +121,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
                      attn_split=8 if SIM else None, attn_tile_from=4)
     ref = ReferenceModel(cfg, w, spec)
     rng = np.random.default_rng(7)
-    bt = np.full((3, 8), -1, np.int32)
+    bt = np.full((3, 7), -1, np.int32)   # staged at a table stride of 8 (padded)
     bt[0, :5] = [17, 2, 9, 0, 21]     # non-contiguous and out of order
     bt[1, :4] = [5, 13, 1, 11]
     bt[2, :3] = [22, 3, 8]
@@ -153,6 +155,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     # the decode row of slot 0, recomputed alone at the same position, is bit-identical
     be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
     deterministic = bool(np.array_equal(be.dense_logits()[0], lg_mixed[0]))
+    graphs = be.num_graphs   # that step, a decode row alone, replayed a captured graph
     # candidate lists longer than max_candidates are tiled; an id outside the vocabulary gives NaN
     cand = rng.integers(0, cfg.vocab_size, (1, 19)).astype(np.int32)
     cand[0, 17] = cfg.vocab_size + 5
@@ -178,7 +181,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         long = rng.integers(3, cfg.vocab_size, 41).tolist()
         compare("prefill 20", StepBatch.from_chunks([(0, long[:20], 0)], long_bt))
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
-    return dict(checks=checks, deterministic=deterministic, chunk_invariant=chunk_invariant,
+    return dict(checks=checks, deterministic=deterministic, graphs=graphs, chunk_invariant=chunk_invariant,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 
