@@ -2,6 +2,7 @@
 
 Host-level interface (same as the cpu backend and the reference):
     forward(batch) -> None; dense_logits() -> float32 [N, V]; sparse_logits(cand, n) -> float32 [N, C]
+    (forward replays a CUDA graph, captured once per launch shape, for a step of decode rows only)
 
 Device-level entries for the engine (no allocation, no host synchronisation; capturable):
     stage(batch)                 async copy of the step inputs into the device input buffers

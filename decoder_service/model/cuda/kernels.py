@@ -33,7 +33,7 @@ from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
-TILE_ROWS = 4 if SIM else 8   # k_gemv_tile: input rows per block (each weight chunk read once for them)
+TILE_ROWS = 4                 # k_gemv_tile: input rows per block (8 was slower: perf log g1)
 TILE_ACC = 4 * TILE_ROWS      # k_gemv_tile: a lane's partial sums (2 weight rows x even/odd x rows)
 TILE_RED = 32 * TILE_ROWS     # k_gemv_tile: the rows' per-warp norm partials (up to 32 warps)
 MAX_SPLITS = 64         # attention: at most this many context splits per query
@@ -594,6 +594,13 @@ def tile_sum(sh, off, groups, hd, d):
 
 
 @cuda.jit(device=True, inline="always")
+def v_stride(hd):
+    """Row stride of k_attn_tiles' V tile: head_dim rounded up to a multiple of 8 TQ (the dims a lane
+    reads in one pass), plus one (odd: no bank conflicts)."""
+    return (hd + 8 * TQ - 1) // (8 * TQ) * (8 * TQ) + 1
+
+
+@cuda.jit(device=True, inline="always")
 def st8(sh, i, v):
     """sh[i:i+8] = the 8-tuple v (unsigned indices: no negative-index wraparound code)."""
     sh[np.uint64(i)] = v[0]
@@ -997,10 +1004,11 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     row = r0 + min(qi, nq - 1) // group
     h = kvh * group + qi % group
     n_q = positions[row] + 1 if active else 0
-    hs = hd + 1                       # row stride of q, K, V, acc in shared (odd: no bank conflicts)
+    hs = hd + 1                       # row stride of q, K, acc in shared (odd: no bank conflicts)
+    hv = v_stride(hd)                 # V's: lane sub reads dims sub + TQ i unclamped
     ko = QB * hs
     vo = ko + TP * hs
-    po = vo + TP * hs
+    po = vo + TP * hv
     ao = po + QB * (TP + 1)
     qrow = qi * hs
     prow = po + qi * (TP + 1)
@@ -1052,17 +1060,26 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
                 k2 = zero8
                 v2 = zero8
             st8(sh, ko + pp * hs + o, k1)
-            st8(sh, vo + pp * hs + o, v1)
+            st8(sh, vo + pp * hv + o, v1)
             if c + T < nchunks:
                 st8(sh, ko + pp2 * hs + o2, k2)
-                st8(sh, vo + pp2 * hs + o2, v2)
+                st8(sh, vo + pp2 * hv + o2, v2)
         cuda.syncthreads()
         for j in range(PPT):
             s[j] = np.float32(0.0)
-        for d in range(hd):
-            qd = sh[np.uint64(qrow + d)]
+        for d in range(0, hd, 4):          # four dims a trip: the loads share one address
+            q0 = sh[np.uint64(qrow + d)]
+            q1 = sh[np.uint64(qrow + d + 1)]
+            q2 = sh[np.uint64(qrow + d + 2)]
+            q3 = sh[np.uint64(qrow + d + 3)]
             for j in range(PPT):
-                s[j] += qd * sh[np.uint64(ko + (j * TQ + sub) * hs + d)]
+                kb = ko + (j * TQ + sub) * hs + d
+                x = s[j]
+                x += q0 * sh[np.uint64(kb)]
+                x += q1 * sh[np.uint64(kb + 1)]
+                x += q2 * sh[np.uint64(kb + 2)]
+                x += q3 * sh[np.uint64(kb + 3)]
+                s[j] = x
         tmax = np.float32(-math.inf)
         for j in range(PPT):
             if t0 + j * TQ + sub >= n_q:
@@ -1086,11 +1103,28 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
             for g in range(0, hd, 8 * TQ):
                 for i in range(8):
                     a[i] = np.float32(0.0)
-                for pp in range(cnt):
-                    w = sh[np.uint64(prow + pp)]
-                    vb = vo + pp * hs
+                vg = vo + g + sub
+                pp = 0
+                while pp + 3 < cnt:       # four positions a trip, each dim's sum in ascending order
+                    w0 = sh[np.uint64(prow + pp)]
+                    w1 = sh[np.uint64(prow + pp + 1)]
+                    w2 = sh[np.uint64(prow + pp + 2)]
+                    w3 = sh[np.uint64(prow + pp + 3)]
+                    b0 = vg + pp * hv
                     for i in range(8):
-                        a[i] += w * sh[np.uint64(vb + min(g + sub + i * TQ, hd - 1))]
+                        x = a[i]
+                        x += w0 * sh[np.uint64(b0 + i * TQ)]
+                        x += w1 * sh[np.uint64(b0 + hv + i * TQ)]
+                        x += w2 * sh[np.uint64(b0 + 2 * hv + i * TQ)]
+                        x += w3 * sh[np.uint64(b0 + 3 * hv + i * TQ)]
+                        a[i] = x
+                    pp += 4
+                while pp < cnt:
+                    w0 = sh[np.uint64(prow + pp)]
+                    b0 = vg + pp * hv
+                    for i in range(8):
+                        a[i] += w0 * sh[np.uint64(b0 + i * TQ)]
+                    pp += 1
                 for i in range(8):
                     d = g + sub + i * TQ
                     if d < hd:
@@ -1167,10 +1201,10 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
 
 
 def attn_shared_floats(hd: int, maxs: int) -> int:
-    """k_attn's dynamic shared memory in floats: q, K tile, V tile, weights, acc (row stride hd + 1),
-    and the merge's split weights over the K/V tile."""
+    """k_attn_tiles' dynamic shared memory in floats: q, K tile, V tile, weights, acc, and the merge's
+    split weights over the K/V tile."""
     hs = hd + 1
-    return max(2 * QB * hs + 2 * TP * hs + QB * (TP + 1), QB * hs + QB * maxs)
+    return max(2 * QB * hs + TP * (hs + v_stride.py_func(hd)) + QB * (TP + 1), QB * hs + QB * maxs)
 
 
 @cuda.jit(cache=True)
