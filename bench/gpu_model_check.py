@@ -237,7 +237,8 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     check(drv.cuMemsetD32Async(dptr(scratch_x), 0x3F800000, fl_k, be.stream.handle))
     fl = Launch(be.kernels["k_gemv"], 256, fl_k * 4,
                 [scratch_x, fl_k, be.logit_rows, 0, scratch_x, 1e-6, 0, scratch_w, fl_k // 8, fl_k, fl_rows,
-                 scratch_x, 0, scratch_o, fl_rows, 0, 0, 64], be.stream.handle, "flush")
+                 scratch_x, 0, scratch_o, fl_rows, 0, 0, 64] + list(be.l_dense[0].args[18:]),  # mode 0: no RoPE
+                be.stream.handle, "flush")
 
     def flush():
         fl.launch(be.sm_count * 4, 1)
@@ -249,7 +250,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     gemv = lambda key: [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]  # noqa: E731
     kinds = {
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
-        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers],
+        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers if ly["rope"]],
                             4 * 2 * (cfg.q_size + 2 * cfg.kv_size) + 2 * kv_row, False),
         "attention": ([lambda lz=ly["attn_rows"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
                       2 * ctx * kv_row + 8 * cfg.q_size, False),
@@ -274,7 +275,8 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
         return us, gbs
 
     for label, (calls, nbytes, is_gemv) in kinds.items():
-        run_kind(label, calls, nbytes, is_gemv)
+        if calls:                         # no rope launches where RoPE runs in the QKV GEMV
+            run_kind(label, calls, nbytes, is_gemv)
     for nc in (32, 256):
         cand = np.sort(rng.choice(V, nc, replace=False)).astype(np.int32)[None]
         be.stage_candidates(cand, np.array([nc], np.int32))

@@ -63,7 +63,8 @@ def profile(be, timer, batch: StepBatch) -> dict:
         def body(kind=kind):
             for layer in be.layers:
                 if kind == "rope":
-                    layer["rope"].launch(R, nq)
+                    if layer["rope"]:          # None where RoPE runs in the QKV GEMV
+                        layer["rope"].launch(R, nq)
                 elif kind == "attn":
                     be.launch_attention(layer, attn)
                 else:

@@ -143,7 +143,10 @@ class CudaBackend:
         self.w_embed = dev(_pad_cols(weights.embed, self.kp_h).reshape(-1))
         tied = weights.lm_head is weights.embed
         self.w_head = self.w_embed if tied else dev(_pad_cols(weights.lm_head, self.kp_h).reshape(-1))
-        self.w_qkv = dev(_pad_cols(weights.wqkv, self.kp_h).reshape(-1))
+        # Without a q/k norm, RoPE and the KV write run in the QKV GEMV's epilogue (gemv_store mode 3):
+        # its rows (and bias) permuted so that each row pair is a rotate_half pair (i, i + hd/2).
+        self.fused_rope = not cfg.qk_norm
+        self.w_qkv = dev(_pad_cols(self._rope_pairs(weights.wqkv), self.kp_h).reshape(-1))
         self.w_o = dev(_pad_cols(weights.wo, self.kp_q).reshape(-1))
         gu = weights.w_gate_up.reshape(L, 2, I, H).transpose(0, 2, 1, 3).reshape(L, 2 * I, H)
         self.w_gu = dev(_pad_cols(gu, self.kp_h).reshape(-1))   # rows interleaved gate0, up0, gate1, ...
@@ -155,7 +158,7 @@ class CudaBackend:
         self.n_mlp = dev(f32p(weights.mlp_norm))
         self.n_final = dev(f32p(weights.final_norm))
         one = dev(np.zeros(1, np.float32))
-        self.b_qkv = dev(f32(weights.bqkv)) if cfg.qkv_bias else one
+        self.b_qkv = dev(f32(self._rope_pairs(weights.bqkv))) if cfg.qkv_bias else one
         self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
         self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
         self.inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
@@ -258,13 +261,27 @@ class CudaBackend:
         cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(threads, shmem)))
         return max(1, min(need, cap)), cap
 
+    def _rope_pairs(self, a: np.ndarray) -> np.ndarray:
+        """QKV rows (the second-to-last axis of a [L, rows, ...] array, or the last of [L, rows]) in
+        rotate_half pairs per head when RoPE is fused into the QKV GEMV; unchanged otherwise."""
+        if not self.fused_rope:
+            return a
+        L, hd = a.shape[0], self.cfg.head_dim
+        tail = a.shape[2:]
+        heads = a.shape[1] // hd
+        return np.ascontiguousarray(a.reshape((L, heads, 2, hd // 2) + tail).swapaxes(2, 3)).reshape(a.shape)
+
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
-                   bias, use_bias: int, out, out_stride: int, mode: int):
-        """(launch, grid_x, resident wave) for one row and for row tiles of the same product."""
+                   bias, use_bias: int, out, out_stride: int, mode: int, layer_off: int = 0):
+        """(launch, grid_x, resident wave) for one row and for row tiles of the same product. The
+        RoPE context (positions ... inv_freq; layer_off: the layer's offset in the KV pool) serves
+        mode 3 only."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
         args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
-                out, out_stride, mode, self.prefetch, epl]
+                out, out_stride, mode, self.prefetch, epl, self.positions, self.slots, self.block_tables,
+                self.table_stride, self.kv_k, self.kv_v, layer_off, self.spec.block_size,
+                self.cfg.num_kv_heads, self.cfg.head_dim, self.inv_freq]
         k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
@@ -297,8 +314,8 @@ class CudaBackend:
             layer = {}
             layer["qkv"], layer["qkv/tile"] = self._gemv_pair(
                 f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
-                self.qkv, self.dqkv, 0)
-            layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
+                self.qkv, self.dqkv, 3 if self.fused_rope else 0, kvo)
+            layer["rope"] = None if self.fused_rope else Launch(k["k_rope_kv"], self.t_rope, 0,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                     nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
@@ -403,7 +420,8 @@ class CudaBackend:
         self.l_embed.launch(R)
         for layer in self.layers:
             self.launch_tiles(layer[gemv["qkv"]], tiles)
-            layer["rope"].launch(R, nq)
+            if layer["rope"]:
+                layer["rope"].launch(R, nq)
             self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):
                 self.launch_tiles(layer[gemv[key]], tiles)

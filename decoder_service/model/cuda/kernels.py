@@ -645,34 +645,69 @@ def k_embed(tokens, E, Q, x, x_stride):
 
 
 @cuda.jit(device=True, inline="always")
-def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode):
-    """Epilogue of one row pair (lane 0): mode 0 store (+ bias), 1 accumulate (residual), 2 SwiGLU."""
+def rope_pair(a, b, pos, inv_freq, i):
+    """RoPE of the rotate_half pair (a, b) = (x[i], x[i + hd/2]) at position pos (angle in float64)."""
+    ang = np.float64(pos) * inv_freq[i]
+    c = np.float32(math.cos(ang))
+    s = np.float32(math.sin(ang))
+    return a * c - b * s, b * c + a * s
+
+
+@cuda.jit(device=True, inline="always")
+def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb, kc, vc,
+               layer_off, bs, nkv, hd, inv_freq):
+    """Epilogue of one row pair (lane 0) of input row r: mode 0 store (+ bias), 1 accumulate
+    (residual), 2 SwiGLU, 3 QKV with RoPE: the rows are permuted so that pair p is (i, i + hd/2) of
+    head p // (hd/2); q is rotated into out, k rotated and v written to the paged pool (the
+    arithmetic of k_rope_kv without a q/k norm)."""
     if mode == 2:
         out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
+        return
+    if use_bias != 0:
+        a += bias[ra]
+        if rb < N:
+            b += bias[rb]
+    if mode == 1:
+        out[ob + ra] += a
+        if rb < N:
+            out[ob + rb] += b
+    elif mode == 0:
+        out[ob + ra] = a
+        if rb < N:
+            out[ob + rb] = b
     else:
-        if use_bias != 0:
-            a += bias[ra]
-            if rb < N:
-                b += bias[rb]
-        if mode == 1:
-            out[ob + ra] += a
-            if rb < N:
-                out[ob + rb] += b
-        else:
-            out[ob + ra] = a
-            if rb < N:
-                out[ob + rb] = b
+        half = hd // 2
+        hh = p // half
+        i = p - hh * half
+        nq = N // hd - 2 * nkv               # query heads
+        pos = positions[r]
+        if hh < nq + nkv:
+            a, b = rope_pair(a, b, pos, inv_freq, i)
+        if hh < nq:
+            out[ob + hh * hd + i] = a
+            out[ob + hh * hd + i + half] = b
+            return
+        kvh = hh - nq
+        pool = kc
+        if kvh >= nkv:
+            kvh -= nkv
+            pool = vc
+        kb = kv_base(bt, mb, slots[r], pos, bs, layer_off, np.int64(nkv) * hd, kvh, hd)
+        if kb >= 0:
+            stf(pool, kb + i, a)
+            stf(pool, kb + i + half, b)
 
 
 @cuda.jit(cache=True)
 def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-           out, out_stride, mode, pf, epl):
+           out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, inv_freq):
     """out[r] (op)= W @ f(x[src]) for one input row per blockIdx.y; f = RMSNorm(gamma) if use_norm.
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
     pairs; before staging x it issues cache hints (pf) for its first pair's rows so that the weight
     fetch overlaps the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
-    2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1).
+    2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV with RoPE and
+    the KV write (gemv_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
@@ -699,7 +734,8 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
         rb = ra + 1
         a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
-            gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode)
+            gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb,
+                       kc, vc, layer_off, bs, nkv, hd, inv_freq)
 
 
 @cuda.jit(device=True, inline="always")
@@ -739,7 +775,8 @@ def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K
 
 @cuda.jit(cache=True)
 def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-                out, out_stride, mode, pf, epl, R):
+                out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd,
+                inv_freq, R):
     """k_gemv for TILE_ROWS input rows per blockIdx.y (rows from TILE_ROWS * y; a last partial tile
     stores only rows below R): each weight chunk is read once for the tile's rows. Per output element
     the same arithmetic as k_gemv. Dynamic shared memory: TILE_ROWS * 8Q floats."""
@@ -769,7 +806,8 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                 a = warp_sum(acc[4 * i] + acc[4 * i + 1])
                 b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
                 if lane == 0:
-                    gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
+                    gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode,
+                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, inv_freq)
 
 
 @cuda.jit(cache=True)
@@ -812,11 +850,7 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
             else:
                 x1 = x1 * inv * kn[gofs + i]
                 x2 = x2 * inv * kn[gofs + i + half]
-        ang = np.float64(pos) * inv_freq[i]
-        c = np.float32(math.cos(ang))
-        s = np.float32(math.sin(ang))
-        y1 = x1 * c - x2 * s
-        y2 = x2 * c + x1 * s
+        y1, y2 = rope_pair(x1, x2, pos, inv_freq, i)
         if is_q:
             qkv[src + i] = y1
             qkv[src + i + half] = y2
@@ -1280,7 +1314,8 @@ def signatures(storage: str) -> dict:
     st = {"bfloat16": t.uint16, "float16": t.float16, "float32": t.float32}[storage]
     f32, i32, i64, f64 = _arr(t.float32), t.int32, t.int64, _arr(t.float64)
     ai, W = _arr(t.int32), _arr(st)
-    gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
+    gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32,
+            ai, ai, ai, i32, W, W, i64, i32, i32, i32, f64)
     return {
         "k_embed": (ai, W, i32, f32, i32),
         "k_gemv": gemv,
