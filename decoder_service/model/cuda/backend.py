@@ -161,7 +161,7 @@ class CudaBackend:
         self.b_qkv = dev(f32(self._rope_pairs(weights.bqkv))) if cfg.qkv_bias else one
         self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
         self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
-        self.inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
+        self.rope_cs = cuda.device_array(2 * self.attn_split * MAX_SPLITS * (hd // 2), np.float32)
 
         # ---- KV pool and step buffers
         per_layer = kv_spec.num_blocks * kv_spec.block_size * nkv * hd
@@ -220,7 +220,12 @@ class CudaBackend:
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
                         ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
-                         "k_final_norm", "k_sparse")}
+                         "k_final_norm", "k_sparse", "k_rope_table")}
+        # RoPE's cos and sin for every position within the attention's reach, computed once
+        reach, half = self.attn_split * MAX_SPLITS, hd // 2
+        inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
+        Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, half, reach, self.rope_cs],
+               s.handle, "rope_table").launch(-(-reach * half // self.t_small))
         self._build_launches()
         s.synchronize()
 
@@ -274,14 +279,14 @@ class CudaBackend:
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
                    bias, use_bias: int, out, out_stride: int, mode: int, layer_off: int = 0):
         """(launch, grid_x, resident wave) for one row and for row tiles of the same product. The
-        RoPE context (positions ... inv_freq; layer_off: the layer's offset in the KV pool) serves
+        RoPE context (positions ... rope_cs; layer_off: the layer's offset in the KV pool) serves
         mode 3 only."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
         args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
                 out, out_stride, mode, self.prefetch, epl, self.positions, self.slots, self.block_tables,
                 self.table_stride, self.kv_k, self.kv_v, layer_off, self.spec.block_size,
-                self.cfg.num_kv_heads, self.cfg.head_dim, self.inv_freq]
+                self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
         k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
@@ -318,7 +323,7 @@ class CudaBackend:
             layer["rope"] = None if self.fused_rope else Launch(k["k_rope_kv"], self.t_rope, 0,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                    nh, nkv, hd, self.inv_freq, self.n_q, self.n_k,
+                                    nh, nkv, hd, self.rope_cs, self.n_q, self.n_k,
                                     l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
             layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
                                         [self.qkv, self.dqkv, self.attn_rows, self.slots, self.positions,

@@ -41,6 +41,8 @@ ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) 
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
 ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
+GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
+_GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
 # heads of one KV head); TQ threads own a query (its max and sum are TQ-lane xor trees, so a query's
 # lanes sit in one warp), each scoring PPT positions of a TP-position K/V tile held in shared memory.
@@ -644,18 +646,30 @@ def k_embed(tokens, E, Q, x, x_stride):
         x[o + 7] = v7
 
 
+@cuda.jit(cache=True)
+def k_rope_table(inv_freq, half, n, cs):
+    """cs[2j], cs[2j + 1] = cos, sin of p * inv_freq[i] for j = p * half + i, positions p < n: RoPE's
+    rotations, computed once (angles in float64, rounded to float32). Grid: n * half threads."""
+    j = cuda.grid(1)
+    if j < n * half:
+        p = j // half
+        ang = np.float64(p) * inv_freq[j - p * half]
+        cs[2 * j] = np.float32(math.cos(ang))
+        cs[2 * j + 1] = np.float32(math.sin(ang))
+
+
 @cuda.jit(device=True, inline="always")
-def rope_pair(a, b, pos, inv_freq, i):
-    """RoPE of the rotate_half pair (a, b) = (x[i], x[i + hd/2]) at position pos (angle in float64)."""
-    ang = np.float64(pos) * inv_freq[i]
-    c = np.float32(math.cos(ang))
-    s = np.float32(math.sin(ang))
+def rope_pair(a, b, cs, pos, half, i):
+    """RoPE of the rotate_half pair (a, b) = (x[i], x[i + hd/2]) at position pos (table cs)."""
+    j = 2 * (np.int64(pos) * half + i)
+    c = cs[j]
+    s = cs[j + 1]
     return a * c - b * s, b * c + a * s
 
 
 @cuda.jit(device=True, inline="always")
 def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb, kc, vc,
-               layer_off, bs, nkv, hd, inv_freq):
+               layer_off, bs, nkv, hd, cs):
     """Epilogue of one row pair (lane 0) of input row r: mode 0 store (+ bias), 1 accumulate
     (residual), 2 SwiGLU, 3 QKV with RoPE: the rows are permuted so that pair p is (i, i + hd/2) of
     head p // (hd/2); q is rotated into out, k rotated and v written to the paged pool (the
@@ -682,7 +696,7 @@ def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, 
         nq = N // hd - 2 * nkv               # query heads
         pos = positions[r]
         if hh < nq + nkv:
-            a, b = rope_pair(a, b, pos, inv_freq, i)
+            a, b = rope_pair(a, b, cs, pos, half, i)
         if hh < nq:
             out[ob + hh * hd + i] = a
             out[ob + hh * hd + i + half] = b
@@ -698,9 +712,9 @@ def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, 
             stf(pool, kb + i + half, b)
 
 
-@cuda.jit(cache=True)
+@cuda.jit(cache=True, **_GEMV_JIT)
 def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-           out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, inv_freq):
+           out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, cs):
     """out[r] (op)= W @ f(x[src]) for one input row per blockIdx.y; f = RMSNorm(gamma) if use_norm.
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
@@ -735,7 +749,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
         a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
             gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb,
-                       kc, vc, layer_off, bs, nkv, hd, inv_freq)
+                       kc, vc, layer_off, bs, nkv, hd, cs)
 
 
 @cuda.jit(device=True, inline="always")
@@ -776,7 +790,7 @@ def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K
 @cuda.jit(cache=True)
 def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
                 out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd,
-                inv_freq, R):
+                cs, R):
     """k_gemv for TILE_ROWS input rows per blockIdx.y (rows from TILE_ROWS * y; a last partial tile
     stores only rows below R): each weight chunk is read once for the tile's rows. Per output element
     the same arithmetic as k_gemv. Dynamic shared memory: TILE_ROWS * 8Q floats."""
@@ -807,14 +821,15 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                 b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
                 if lane == 0:
                     gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode,
-                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, inv_freq)
+                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, cs)
 
 
 @cuda.jit(cache=True)
 def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nh, nkv, hd,
-              inv_freq, qn, kn, gofs, use_qkn, eps):
+              cs, qn, kn, gofs, use_qkn, eps):
     """Per (row, head): optional per-head RMSNorm (Qwen3), RoPE (rotate_half pairs (i, i + hd/2),
-    angles in float64), q written back in place, k and v written to the paged pool. Grid (R, nh+nkv)."""
+    rotations from k_rope_table's cs), q written back in place, k and v written to the paged pool.
+    Grid (R, nh+nkv)."""
     red = cuda.shared.array(32, nb_f32)
     r = cuda.blockIdx.x
     hh = cuda.blockIdx.y
@@ -850,7 +865,7 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
             else:
                 x1 = x1 * inv * kn[gofs + i]
                 x2 = x2 * inv * kn[gofs + i + half]
-        y1, y2 = rope_pair(x1, x2, pos, inv_freq, i)
+        y1, y2 = rope_pair(x1, x2, cs, pos, half, i)
         if is_q:
             qkv[src + i] = y1
             qkv[src + i + half] = y2
@@ -1315,13 +1330,14 @@ def signatures(storage: str) -> dict:
     f32, i32, i64, f64 = _arr(t.float32), t.int32, t.int64, _arr(t.float64)
     ai, W = _arr(t.int32), _arr(st)
     gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32,
-            ai, ai, ai, i32, W, W, i64, i32, i32, i32, f64)
+            ai, ai, ai, i32, W, W, i64, i32, i32, i32, f32)
     return {
         "k_embed": (ai, W, i32, f32, i32),
         "k_gemv": gemv,
         "k_gemv_tile": gemv + (i32,),
-        "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f64, f32, f32, i32,
+        "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f32, f32, f32, i32,
                       i32, t.float32),
+        "k_rope_table": (f64, i32, i32, f32),
         "k_attn_rows": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32,
                         f32, ai, i32),
         "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
@@ -1332,5 +1348,5 @@ def signatures(storage: str) -> dict:
 
 
 KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
-           "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
+           "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse}
