@@ -250,7 +250,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     gemv = lambda key: [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]  # noqa: E731
     kinds = {
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
-        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers if ly["rope"]],
+        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers if not be.fused_rope],
                             4 * 2 * (cfg.q_size + 2 * cfg.kv_size) + 2 * kv_row, False),
         "attention": ([lambda lz=ly["attn_rows"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
                       2 * ctx * kv_row + 8 * cfg.q_size, False),
@@ -275,7 +275,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
         return us, gbs
 
     for label, (calls, nbytes, is_gemv) in kinds.items():
-        if calls:                         # no rope launches where RoPE runs in the QKV GEMV
+        if calls:                         # no rope launch where one row's RoPE runs in the QKV GEMV
             run_kind(label, calls, nbytes, is_gemv)
     for nc in (32, 256):
         cand = np.sort(rng.choice(V, nc, replace=False)).astype(np.int32)[None]

@@ -63,7 +63,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
         def body(kind=kind):
             for layer in be.layers:
                 if kind == "rope":
-                    if layer["rope"]:          # None where RoPE runs in the QKV GEMV
+                    if R > 1 or not be.fused_rope:   # one row: RoPE runs in the QKV GEMV
                         layer["rope"].launch(R, nq)
                 elif kind == "attn":
                     be.launch_attention(layer, attn)

@@ -143,8 +143,9 @@ class CudaBackend:
         self.w_embed = dev(_pad_cols(weights.embed, self.kp_h).reshape(-1))
         tied = weights.lm_head is weights.embed
         self.w_head = self.w_embed if tied else dev(_pad_cols(weights.lm_head, self.kp_h).reshape(-1))
-        # Without a q/k norm, RoPE and the KV write run in the QKV GEMV's epilogue (gemv_store mode 3):
-        # its rows (and bias) permuted so that each row pair is a rotate_half pair (i, i + hd/2).
+        # Without a q/k norm, a one-row step runs RoPE and the KV write in the QKV GEMV's epilogue
+        # (gemv_store mode 3; row tiles store the pairs unpermuted and k_rope_kv follows): the QKV
+        # rows (and bias) permuted so that each row pair is a rotate_half pair (i, i + hd/2).
         self.fused_rope = not cfg.qk_norm
         self.w_qkv = dev(_pad_cols(self._rope_pairs(weights.wqkv), self.kp_h).reshape(-1))
         self.w_o = dev(_pad_cols(weights.wo, self.kp_q).reshape(-1))
@@ -320,7 +321,7 @@ class CudaBackend:
             layer["qkv"], layer["qkv/tile"] = self._gemv_pair(
                 f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
                 self.qkv, self.dqkv, 3 if self.fused_rope else 0, kvo)
-            layer["rope"] = None if self.fused_rope else Launch(k["k_rope_kv"], self.t_rope, 0,
+            layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
                                     nh, nkv, hd, self.rope_cs, self.n_q, self.n_k,
@@ -425,7 +426,7 @@ class CudaBackend:
         self.l_embed.launch(R)
         for layer in self.layers:
             self.launch_tiles(layer[gemv["qkv"]], tiles)
-            if layer["rope"]:
+            if R > 1 or not self.fused_rope:    # one row: RoPE ran in k_gemv's epilogue
                 layer["rope"].launch(R, nq)
             self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):

@@ -669,11 +669,12 @@ def rope_pair(a, b, cs, pos, half, i):
 
 @cuda.jit(device=True, inline="always")
 def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb, kc, vc,
-               layer_off, bs, nkv, hd, cs):
+               layer_off, bs, nkv, hd, cs, rotate):
     """Epilogue of one row pair (lane 0) of input row r: mode 0 store (+ bias), 1 accumulate
-    (residual), 2 SwiGLU, 3 QKV with RoPE: the rows are permuted so that pair p is (i, i + hd/2) of
-    head p // (hd/2); q is rotated into out, k rotated and v written to the paged pool (the
-    arithmetic of k_rope_kv without a q/k norm)."""
+    (residual), 2 SwiGLU, 3 QKV in rotate_half pairs: the rows are permuted so that pair p is
+    (i, i + hd/2) of head p // (hd/2). With `rotate` (a literal: k_gemv 1, k_gemv_tile 0, so the other
+    branch compiles away) q is rotated into out, k rotated and v written to the paged pool (the
+    arithmetic of k_rope_kv without a q/k norm); without, the pair is stored unpermuted for k_rope_kv."""
     if mode == 2:
         out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
         return
@@ -693,6 +694,10 @@ def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, 
         half = hd // 2
         hh = p // half
         i = p - hh * half
+        if rotate == 0:
+            out[ob + hh * hd + i] = a
+            out[ob + hh * hd + i + half] = b
+            return
         nq = N // hd - 2 * nkv               # query heads
         pos = positions[r]
         if hh < nq + nkv:
@@ -721,7 +726,8 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     pairs; before staging x it issues cache hints (pf) for its first pair's rows so that the weight
     fetch overlaps the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
     2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV with RoPE and
-    the KV write (gemv_store; the parameters from `positions` on serve only this mode).
+    the KV write (gemv_store; the parameters from `positions` on serve only this mode; k_gemv_tile
+    stores mode 3's pairs unpermuted and k_rope_kv follows).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
@@ -749,7 +755,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
         a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
             gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb,
-                       kc, vc, layer_off, bs, nkv, hd, cs)
+                       kc, vc, layer_off, bs, nkv, hd, cs, 1)
 
 
 @cuda.jit(device=True, inline="always")
@@ -821,7 +827,7 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                 b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
                 if lane == 0:
                     gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode,
-                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, cs)
+                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, cs, 0)
 
 
 @cuda.jit(cache=True)
