@@ -71,6 +71,13 @@ def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int,
     return np.flatnonzero(~tiled).astype(np.int32), tiles
 
 
+def _rope_pairs(a: np.ndarray, hd: int) -> np.ndarray:
+    """[L, rows, ...] QKV rows (or [L, rows] biases) reordered per head of hd rows into rotate_half
+    pairs: i, i + hd/2 for i = 0 .. hd/2 - 1."""
+    L, rows = a.shape[:2]
+    return np.ascontiguousarray(a.reshape((L, rows // hd, 2, hd // 2) + a.shape[2:]).swapaxes(2, 3)).reshape(a.shape)
+
+
 def _pad_cols(a: np.ndarray, kp: int) -> np.ndarray:
     """Rows padded with zeros to kp columns (no copy when already kp wide and contiguous)."""
     if a.shape[-1] == kp:
@@ -143,11 +150,13 @@ class CudaBackend:
         self.w_embed = dev(_pad_cols(weights.embed, self.kp_h).reshape(-1))
         tied = weights.lm_head is weights.embed
         self.w_head = self.w_embed if tied else dev(_pad_cols(weights.lm_head, self.kp_h).reshape(-1))
-        # Without a q/k norm, a one-row step runs RoPE and the KV write in the QKV GEMV's epilogue
-        # (gemv_store mode 3; row tiles store the pairs unpermuted and k_rope_kv follows): the QKV
-        # rows (and bias) permuted so that each row pair is a rotate_half pair (i, i + hd/2).
+        self.w_qkv = dev(_pad_cols(weights.wqkv, self.kp_h).reshape(-1))
+        # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
+        # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
+        # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (perf log r3, r4).
         self.fused_rope = not cfg.qk_norm
-        self.w_qkv = dev(_pad_cols(self._rope_pairs(weights.wqkv), self.kp_h).reshape(-1))
+        self.w_qkv_pairs = dev(_pad_cols(_rope_pairs(weights.wqkv, hd), self.kp_h).reshape(-1)) \
+            if self.fused_rope else None
         self.w_o = dev(_pad_cols(weights.wo, self.kp_q).reshape(-1))
         gu = weights.w_gate_up.reshape(L, 2, I, H).transpose(0, 2, 1, 3).reshape(L, 2 * I, H)
         self.w_gu = dev(_pad_cols(gu, self.kp_h).reshape(-1))   # rows interleaved gate0, up0, gate1, ...
@@ -159,7 +168,8 @@ class CudaBackend:
         self.n_mlp = dev(f32p(weights.mlp_norm))
         self.n_final = dev(f32p(weights.final_norm))
         one = dev(np.zeros(1, np.float32))
-        self.b_qkv = dev(f32(self._rope_pairs(weights.bqkv))) if cfg.qkv_bias else one
+        self.b_qkv = dev(f32(weights.bqkv)) if cfg.qkv_bias else one
+        self.b_qkv_pairs = dev(f32(_rope_pairs(weights.bqkv, hd))) if cfg.qkv_bias and self.fused_rope else one
         self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
         self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
         self.rope_cs = cuda.device_array(2 * self.attn_split * MAX_SPLITS * (hd // 2), np.float32)
@@ -234,7 +244,7 @@ class CudaBackend:
     def _check_memory(self, weights: Weights) -> None:
         cfg, spec = self.cfg, self.spec
         isz = self.np_dtype.itemsize
-        w = weights.nbytes()
+        w = weights.nbytes() + (0 if cfg.qk_norm else weights.wqkv.nbytes)   # + the paired QKV copy
         kv = 2 * cfg.num_layers * spec.num_blocks * spec.block_size * cfg.kv_size * isz
         R, N = self.max_rows, self.max_logit_rows
         act = 4 * (R * (cfg.hidden_size + self.dqkv + cfg.q_size + cfg.intermediate_size)
@@ -267,32 +277,27 @@ class CudaBackend:
         cap = self.sm_count * (2 if SIM else max(1, kernel.occupancy(threads, shmem)))
         return max(1, min(need, cap)), cap
 
-    def _rope_pairs(self, a: np.ndarray) -> np.ndarray:
-        """QKV rows (the second-to-last axis of a [L, rows, ...] array, or the last of [L, rows]) in
-        rotate_half pairs per head when RoPE is fused into the QKV GEMV; unchanged otherwise."""
-        if not self.fused_rope:
-            return a
-        L, hd = a.shape[0], self.cfg.head_dim
-        tail = a.shape[2:]
-        heads = a.shape[1] // hd
-        return np.ascontiguousarray(a.reshape((L, heads, 2, hd // 2) + tail).swapaxes(2, 3)).reshape(a.shape)
-
     def _gemv_pair(self, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
-                   bias, use_bias: int, out, out_stride: int, mode: int, layer_off: int = 0):
-        """(launch, grid_x, resident wave) for one row and for row tiles of the same product. The
-        RoPE context (positions ... rope_cs; layer_off: the layer's offset in the KV pool) serves
-        mode 3 only."""
+                   bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None):
+        """(launch, grid_x, resident wave) for one row and for row tiles of the same product. With
+        rope = (paired W, paired bias, the layer's offset in the KV pool) the one-row launch runs
+        mode 3 (RoPE and the KV write) on the paired rows."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
         args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
-                out, out_stride, mode, self.prefetch, epl, self.positions, self.slots, self.block_tables,
-                self.table_stride, self.kv_k, self.kv_v, layer_off, self.spec.block_size,
-                self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
+                out, out_stride, mode, self.prefetch, epl]
+        one = list(args)
+        layer_off = 0
+        if rope:
+            one[7], one[11], one[15] = rope[0], rope[1], 3
+            layer_off = rope[2]
+        one += [self.positions, self.slots, self.block_tables, self.table_stride, self.kv_k, self.kv_v,
+                layer_off, self.spec.block_size, self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
         k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
         tile_shmem = TILE_ROWS * kp * 4
-        l1 = Launch(k1, t, kp * 4, args, st, name)
+        l1 = Launch(k1, t, kp * 4, one, st, name)
         lt = Launch(kt, t, tile_shmem, args + [self.n_rows if name != "dense_head" else self.n_logit],
                     st, name + "/tile")
         return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (lt, *self._gemv_grid(kt, t, N, tile_shmem))
@@ -317,10 +322,14 @@ class CudaBackend:
             nm = self.n_mlp[l * kh:(l + 1) * kh]
             bias = self.b_qkv[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv
             kvo = l * self.kv_layer_elems
+            rope = None
+            if self.fused_rope:
+                bp = self.b_qkv_pairs[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv_pairs
+                rope = (self.w_qkv_pairs[l * self.dqkv * kh:(l + 1) * self.dqkv * kh], bp, kvo)
             layer = {}
             layer["qkv"], layer["qkv/tile"] = self._gemv_pair(
                 f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
-                self.qkv, self.dqkv, 3 if self.fused_rope else 0, kvo)
+                self.qkv, self.dqkv, 0, rope)
             layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,

@@ -668,53 +668,54 @@ def rope_pair(a, b, cs, pos, half, i):
 
 
 @cuda.jit(device=True, inline="always")
-def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb, kc, vc,
-               layer_off, bs, nkv, hd, cs, rotate):
-    """Epilogue of one row pair (lane 0) of input row r: mode 0 store (+ bias), 1 accumulate
-    (residual), 2 SwiGLU, 3 QKV in rotate_half pairs: the rows are permuted so that pair p is
-    (i, i + hd/2) of head p // (hd/2). With `rotate` (a literal: k_gemv 1, k_gemv_tile 0, so the other
-    branch compiles away) q is rotated into out, k rotated and v written to the paged pool (the
-    arithmetic of k_rope_kv without a q/k norm); without, the pair is stored unpermuted for k_rope_kv."""
+def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode):
+    """Epilogue of one row pair (lane 0): mode 0 store (+ bias), 1 accumulate (residual), 2 SwiGLU."""
     if mode == 2:
         out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
-        return
-    if use_bias != 0:
-        a += bias[ra]
-        if rb < N:
-            b += bias[rb]
-    if mode == 1:
-        out[ob + ra] += a
-        if rb < N:
-            out[ob + rb] += b
-    elif mode == 0:
-        out[ob + ra] = a
-        if rb < N:
-            out[ob + rb] = b
     else:
-        half = hd // 2
-        hh = p // half
-        i = p - hh * half
-        if rotate == 0:
-            out[ob + hh * hd + i] = a
-            out[ob + hh * hd + i + half] = b
-            return
-        nq = N // hd - 2 * nkv               # query heads
-        pos = positions[r]
-        if hh < nq + nkv:
-            a, b = rope_pair(a, b, cs, pos, half, i)
-        if hh < nq:
-            out[ob + hh * hd + i] = a
-            out[ob + hh * hd + i + half] = b
-            return
-        kvh = hh - nq
-        pool = kc
-        if kvh >= nkv:
-            kvh -= nkv
-            pool = vc
-        kb = kv_base(bt, mb, slots[r], pos, bs, layer_off, np.int64(nkv) * hd, kvh, hd)
-        if kb >= 0:
-            stf(pool, kb + i, a)
-            stf(pool, kb + i + half, b)
+        if use_bias != 0:
+            a += bias[ra]
+            if rb < N:
+                b += bias[rb]
+        if mode == 1:
+            out[ob + ra] += a
+            if rb < N:
+                out[ob + rb] += b
+        else:
+            out[ob + ra] = a
+            if rb < N:
+                out[ob + rb] = b
+
+
+@cuda.jit(device=True, inline="always")
+def rope_store(out, ob, p, N, a, b, bias, use_bias, r, positions, slots, bt, mb, kc, vc, layer_off, bs,
+               nkv, hd, cs):
+    """k_gemv's mode 3 epilogue, QKV with RoPE (lane 0): the weight rows are permuted so that pair p
+    is (i, i + hd/2) of head p // (hd/2); q is rotated into out, k rotated and v written to the paged
+    pool, the arithmetic of k_rope_kv without a q/k norm (and gemv_store's bias)."""
+    half = hd // 2
+    hh = p // half
+    i = p - hh * half
+    if use_bias != 0:
+        a += bias[2 * p]
+        b += bias[2 * p + 1]
+    nq = N // hd - 2 * nkv               # query heads
+    pos = positions[r]
+    if hh < nq + nkv:
+        a, b = rope_pair(a, b, cs, pos, half, i)
+    if hh < nq:
+        out[ob + hh * hd + i] = a
+        out[ob + hh * hd + i + half] = b
+        return
+    kvh = hh - nq
+    pool = kc
+    if kvh >= nkv:
+        kvh -= nkv
+        pool = vc
+    kb = kv_base(bt, mb, slots[r], pos, bs, layer_off, np.int64(nkv) * hd, kvh, hd)
+    if kb >= 0:
+        stf(pool, kb + i, a)
+        stf(pool, kb + i + half, b)
 
 
 @cuda.jit(cache=True, **_GEMV_JIT)
@@ -726,8 +727,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     pairs; before staging x it issues cache hints (pf) for its first pair's rows so that the weight
     fetch overlaps the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
     2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV with RoPE and
-    the KV write (gemv_store; the parameters from `positions` on serve only this mode; k_gemv_tile
-    stores mode 3's pairs unpermuted and k_rope_kv follows).
+    the KV write (rope_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
@@ -754,8 +754,11 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
         rb = ra + 1
         a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
-            gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode, r, positions, slots, bt, mb,
-                       kc, vc, layer_off, bs, nkv, hd, cs, 1)
+            if mode == 3:
+                rope_store(out, ob, p, N, a, b, bias, use_bias, r, positions, slots, bt, mb, kc, vc,
+                           layer_off, bs, nkv, hd, cs)
+            else:
+                gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode)
 
 
 @cuda.jit(device=True, inline="always")
@@ -795,8 +798,7 @@ def stage_rows(xs, x, x_stride, row_map, use_map, r0, R, gamma, eps, use_norm, K
 
 @cuda.jit(cache=True)
 def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias, use_bias,
-                out, out_stride, mode, pf, epl, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd,
-                cs, R):
+                out, out_stride, mode, pf, epl, R):
     """k_gemv for TILE_ROWS input rows per blockIdx.y (rows from TILE_ROWS * y; a last partial tile
     stores only rows below R): each weight chunk is read once for the tile's rows. Per output element
     the same arithmetic as k_gemv. Dynamic shared memory: TILE_ROWS * 8Q floats."""
@@ -826,8 +828,7 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                 a = warp_sum(acc[4 * i] + acc[4 * i + 1])
                 b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
                 if lane == 0:
-                    gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode,
-                               r0 + i, positions, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, cs, 0)
+                    gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
 
 
 @cuda.jit(cache=True)
@@ -1335,11 +1336,10 @@ def signatures(storage: str) -> dict:
     st = {"bfloat16": t.uint16, "float16": t.float16, "float32": t.float32}[storage]
     f32, i32, i64, f64 = _arr(t.float32), t.int32, t.int64, _arr(t.float64)
     ai, W = _arr(t.int32), _arr(st)
-    gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32,
-            ai, ai, ai, i32, W, W, i64, i32, i32, i32, f32)
+    gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
     return {
         "k_embed": (ai, W, i32, f32, i32),
-        "k_gemv": gemv,
+        "k_gemv": gemv + (ai, ai, ai, i32, W, W, i64, i32, i32, i32, f32),
         "k_gemv_tile": gemv + (i32,),
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f32, f32, f32, i32,
                       i32, t.float32),
