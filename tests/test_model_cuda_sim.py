@@ -9,8 +9,9 @@ script) and reports JSON; each test asserts one case. The same cases run on a re
 Checks (per case): logits of prefill, decode and mixed ragged batches over non-contiguous block
 tables match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same
 argmax); the sparse head equals the dense head's logits for the same candidates bit for bit; a row's
-logits are bit-identical alone (a decode step alone replays a captured graph) and inside a mixed
-batch (launched one kernel at a time), and a prompt's last row is bit-identical
+logits are bit-identical alone (a decode step alone replays a captured graph, and without a q/k norm
+runs RoPE in the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in
+k_rope_kv), and a prompt's last row is bit-identical
 whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
 the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_tiles), decode rows and
 earlier prompt rows one at a time (k_attn_rows); tiles split every 8 positions under the simulator,
@@ -65,6 +66,8 @@ def _assert_case(res: dict, name: str) -> None:
         assert c["ok"], f"{name} / {c['tag']}: {c}"
     assert r["sparse_tiles_ok"], r
     assert r["deterministic"], "a row's logits changed with the batch it was in"
+    # without a q/k norm the lone decode row ran RoPE in k_gemv's epilogue, the mixed batch k_rope_kv
+    assert r["fused_rope"] == (not name.startswith("qwen3")), r
     assert r["graphs"] == 1, f"decode-only steps: {r['graphs']} graphs held, max_graphs=1"
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
@@ -181,7 +184,8 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         long = rng.integers(3, cfg.vocab_size, 41).tolist()
         compare("prefill 20", StepBatch.from_chunks([(0, long[:20], 0)], long_bt))
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
-    return dict(checks=checks, deterministic=deterministic, graphs=graphs, chunk_invariant=chunk_invariant,
+    return dict(checks=checks, deterministic=deterministic, fused_rope=be.fused_rope, graphs=graphs,
+                chunk_invariant=chunk_invariant,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 
