@@ -284,22 +284,21 @@ class CudaBackend:
         mode 3 (RoPE and the KV write) on the paired rows."""
         eps = float(self.cfg.rms_norm_eps)
         epl = 128 // self.np_dtype.itemsize
-        args = [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
-                out, out_stride, mode, self.prefetch, epl]
-        one = list(args)
-        layer_off = 0
-        if rope:
-            one[7], one[11], one[15] = rope[0], rope[1], 3
-            layer_off = rope[2]
-        one += [self.positions, self.slots, self.block_tables, self.table_stride, self.kv_k, self.kv_v,
-                layer_off, self.spec.block_size, self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
+
+        def args(W, bias, mode):
+            return [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
+                    out, out_stride, mode, self.prefetch, epl]
+        w1, b1, mode1, layer_off = (rope[0], rope[1], 3, rope[2]) if rope else (W, bias, mode, 0)
+        one = args(w1, b1, mode1) + [self.positions, self.slots, self.block_tables, self.table_stride,
+                                     self.kv_k, self.kv_v, layer_off, self.spec.block_size,
+                                     self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
+        tile = args(W, bias, mode) + [self.n_rows if name != "dense_head" else self.n_logit]
         k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
         tile_shmem = TILE_ROWS * kp * 4
         l1 = Launch(k1, t, kp * 4, one, st, name)
-        lt = Launch(kt, t, tile_shmem, args + [self.n_rows if name != "dense_head" else self.n_logit],
-                    st, name + "/tile")
+        lt = Launch(kt, t, tile_shmem, tile, st, name + "/tile")
         return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (lt, *self._gemv_grid(kt, t, N, tile_shmem))
 
     def _build_launches(self) -> None:
