@@ -63,7 +63,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
         def body(kind=kind):
             for layer in be.layers:
                 if kind == "rope":
-                    if R > 1 or not be.fused_rope:   # one row: RoPE runs in the QKV GEMV
+                    if be.rope_apart(R):
                         layer["rope"].launch(R, nq)
                 elif kind == "attn":
                     be.launch_attention(layer, attn)

@@ -139,7 +139,12 @@ class CudaBackend:
         if self.attn_split % TP or self.attn_split < TP:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
                              f"of {TP}")
+        self.reach = self.attn_split * MAX_SPLITS   # positions the attention (and the RoPE table) cover
         self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
+        # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
+        # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
+        # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (perf log r3, r4).
+        self.fused_rope = not cfg.qk_norm
 
         self._check_memory(weights)
         self.stream = Stream()
@@ -151,10 +156,6 @@ class CudaBackend:
         tied = weights.lm_head is weights.embed
         self.w_head = self.w_embed if tied else dev(_pad_cols(weights.lm_head, self.kp_h).reshape(-1))
         self.w_qkv = dev(_pad_cols(weights.wqkv, self.kp_h).reshape(-1))
-        # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
-        # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
-        # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (perf log r3, r4).
-        self.fused_rope = not cfg.qk_norm
         self.w_qkv_pairs = dev(_pad_cols(_rope_pairs(weights.wqkv, hd), self.kp_h).reshape(-1)) \
             if self.fused_rope else None
         self.w_o = dev(_pad_cols(weights.wo, self.kp_q).reshape(-1))
@@ -172,7 +173,7 @@ class CudaBackend:
         self.b_qkv_pairs = dev(f32(_rope_pairs(weights.bqkv, hd))) if cfg.qkv_bias and self.fused_rope else one
         self.n_q = dev(f32(weights.q_norm)) if cfg.qk_norm else one
         self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
-        self.rope_cs = cuda.device_array(2 * self.attn_split * MAX_SPLITS * (hd // 2), np.float32)
+        self.rope_cs = cuda.device_array(self.reach * hd, np.float32)   # cos, sin per (position, pair)
 
         # ---- KV pool and step buffers
         per_layer = kv_spec.num_blocks * kv_spec.block_size * nkv * hd
@@ -233,10 +234,9 @@ class CudaBackend:
                         ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
                          "k_final_norm", "k_sparse", "k_rope_table")}
         # RoPE's cos and sin for every position within the attention's reach, computed once
-        reach, half = self.attn_split * MAX_SPLITS, hd // 2
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
-        Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, half, reach, self.rope_cs],
-               s.handle, "rope_table").launch(-(-reach * half // self.t_small))
+        Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
+               s.handle, "rope_table").launch(-(-self.reach * (hd // 2) // self.t_small))
         self._build_launches()
         s.synchronize()
 
@@ -244,12 +244,12 @@ class CudaBackend:
     def _check_memory(self, weights: Weights) -> None:
         cfg, spec = self.cfg, self.spec
         isz = self.np_dtype.itemsize
-        w = weights.nbytes() + (0 if cfg.qk_norm else weights.wqkv.nbytes)   # + the paired QKV copy
+        w = weights.nbytes() + (weights.wqkv.nbytes if self.fused_rope else 0)   # + the paired QKV copy
         kv = 2 * cfg.num_layers * spec.num_blocks * spec.block_size * cfg.kv_size * isz
         R, N = self.max_rows, self.max_logit_rows
         act = 4 * (R * (cfg.hidden_size + self.dqkv + cfg.q_size + cfg.intermediate_size)
                    + N * (cfg.hidden_size + cfg.vocab_size + 2 * self.max_candidates))
-        need = w + kv + act
+        need = w + kv + act + 4 * self.reach * cfg.head_dim   # + the RoPE table
         if SIM:
             return
         free, total = cuda.current_context().get_memory_info()
@@ -389,7 +389,7 @@ class CudaBackend:
                              f"exceeds the buffers ({self.max_rows} rows, {self.max_logit_rows} logit "
                              f"rows, {self.max_table} table entries)")
         max_ctx = int(batch.positions.max()) + 1
-        if max_ctx > self.attn_split * MAX_SPLITS:
+        if max_ctx > self.reach:
             raise ModelError(f"cuda backend: position {max_ctx - 1} is past the attention's reach "
                              f"({self.attn_split} x {MAX_SPLITS} positions)")
         i = self._ring_i = (self._ring_i + 1) % 2
@@ -434,13 +434,18 @@ class CudaBackend:
         self.l_embed.launch(R)
         for layer in self.layers:
             self.launch_tiles(layer[gemv["qkv"]], tiles)
-            if R > 1 or not self.fused_rope:    # one row: RoPE ran in k_gemv's epilogue
+            if self.rope_apart(R):
                 layer["rope"].launch(R, nq)
             self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):
                 self.launch_tiles(layer[gemv[key]], tiles)
         if N:
             self.l_final.launch(N)
+
+    def rope_apart(self, R: int) -> bool:
+        """Whether an R-row step launches k_rope_kv: not for one row of a model without a q/k norm,
+        whose RoPE and KV write run in the one-row QKV GEMV."""
+        return R > 1 or not self.fused_rope
 
     _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
     _ROW_TILES = {k: k + "/tile" for k in _ONE_ROW}
