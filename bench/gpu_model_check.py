@@ -199,18 +199,18 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     nxt = int(lr[0].argmax())
     steps = 2 if quick else 3
     for s in range(steps):
-        _, lr = compare(f"decode pos {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt))
+        _, lr = compare(f"decode pos {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
         nxt, pos = int(lr[0].argmax()), pos + 1
     p2 = rng.integers(3, cfg.vocab_size, 7).tolist()
-    mixed = StepBatch.from_chunks([(1, p2, 0), (0, [nxt], pos), (2, p2[:3], 0)], bt)
-    lg_mixed, lr = compare("mixed: prefill 7 + decode + prefill 3", mixed)
+    mixed = StepBatch.from_chunks([(0, [nxt], pos), (1, p2, 0), (2, p2[:3], 0)], bt, decode_rows=1)
+    lg_mixed, lr = compare("mixed: decode + prefill 7 + prefill 3", mixed)
     # determinism: the decode row recomputed alone (same position, same KV) is bit-identical
-    be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt))
+    be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
     alone = be.dense_logits()[0]
-    det = bool(np.array_equal(alone, lg_mixed[1]))
+    det = bool(np.array_equal(alone, lg_mixed[0]))
     log(f"  decode row alone vs inside the mixed batch: bit-identical {det}")
     # graph replay gives the same bits as direct launches
-    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt))
+    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
     g = be.capture(lambda: (be.launch_forward(1, 1), be.launch_dense(1)))
     g.replay()
     graph_logits = np.empty(cfg.vocab_size, np.float32)
@@ -224,7 +224,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     # ---- timing: per kernel, cold L2
     L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     ctx = pos + 1
-    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt))   # batch 1, context ctx
+    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))   # batch 1, context ctx
     be.synchronize()
     tm = Timer(be)
     # L2 flush that leaves clean lines: a GEMV reading a 256 MiB scratch matrix (a memset would leave
@@ -250,7 +250,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     gemv = lambda key: [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]  # noqa: E731
     kinds = {
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
-        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers if be.rope_apart(1)],
+        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers if be.row_plan(1).rope],
                             4 * 2 * (cfg.q_size + 2 * cfg.kv_size) + 2 * kv_row, False),
         "attention": ([lambda lz=ly["attn_rows"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
                       2 * ctx * kv_row + 8 * cfg.q_size, False),
@@ -322,7 +322,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     n_launch = be.launches_per_step()
     cand = np.sort(rng.choice(V, 32, replace=False)).astype(np.int32)[None]
     be.stage_candidates(cand, np.array([32], np.int32))
-    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt))
+    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
     be.synchronize()
     step = {}
     ms, nodes = tm.graph_ms(lambda: (be.launch_forward(1, 1), be.launch_sparse(1)), reps=30)
@@ -356,7 +356,7 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
         for s0 in range(0, R, 8):
             be.forward(StepBatch.from_chunks([(s, rng.integers(3, V, 20).tolist(), 0)
                                               for s in range(s0, min(R, s0 + 8))], tabs))
-        dec = StepBatch.from_chunks([(s, [int(rng.integers(3, V))], 20) for s in range(R)], tabs)
+        dec = StepBatch.from_chunks([(s, [int(rng.integers(3, V))], 20) for s in range(R)], tabs, decode_rows=R)
         be.stage(dec)
         be.synchronize()
         ms, _ = tm.graph_ms(lambda R=R: (be.launch_forward(R, R), be.launch_dense(R)), reps=10)
@@ -391,7 +391,7 @@ def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_pr
     be.synchronize()
     ms = event_ms(e0, e1)
     out["prefill_ms"], out["prefill_tok_s"] = ms, n_prompt / (ms * 1e-3)
-    dec = StepBatch.from_chunks([(0, [int(rng.integers(3, V))], n_prompt)], slot_tab)
+    dec = StepBatch.from_chunks([(0, [int(rng.integers(3, V))], n_prompt)], slot_tab, decode_rows=1)
     if with_ref:
         ref = ReferenceModel(cfg, w, spec)
         t = time.time()

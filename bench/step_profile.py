@@ -58,17 +58,17 @@ def profile(be, timer, batch: StepBatch) -> dict:
     out = {}
     nq = be.cfg.num_heads + be.cfg.num_kv_heads
     attn = be.attn_grids(int(batch.positions.max()) + 1)
-    gemv, tiles = be.row_tiles(R)
+    plan = be.row_plan(R)
     for kind in KINDS:
         def body(kind=kind):
             for layer in be.layers:
                 if kind == "rope":
-                    if be.rope_apart(R):
+                    if plan.rope:
                         layer["rope"].launch(R, nq)
                 elif kind == "attn":
                     be.launch_attention(layer, attn)
                 else:
-                    be.launch_tiles(layer[gemv[kind]], tiles)
+                    be.launch_matrix(layer, kind, plan)
         ms, _ = timer.graph_ms(body, reps=9)
         out[kind] = ms * 1e3 / len(be.layers)
     ms, _ = timer.graph_ms(lambda: be.launch_forward(R, len(batch.logit_rows)), reps=9)

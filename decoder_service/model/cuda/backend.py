@@ -37,12 +37,14 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import MAX_SPLITS, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_shared_floats
+from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, QB, ROW_SPLITS, SIM, TILE_ROWS, TP,
+                      TQ, WARP, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
 import ctypes  # noqa: E402
 import threading  # noqa: E402
+from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 2), np.int32)
@@ -69,6 +71,14 @@ def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int,
     starts = np.flatnonzero(offset % rows_per_tile == 0)
     tiles = np.stack([idx[starts], np.diff(np.append(starts, len(idx)))], axis=1).astype(np.int32)
     return np.flatnonzero(~tiled).astype(np.int32), tiles
+
+
+class RowPlan(NamedTuple):
+    """How a step's rows go through the four matrices of every layer (CudaBackend.row_plan)."""
+    gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
+    tiles: int     # GEMV row tiles (the one-row kernel counts as one; 0: no GEMV rows)
+    blocks: int    # k_gemm row blocks (prompt rows on the tensor cores; 0: none)
+    rope: bool     # k_rope_kv runs (else RoPE and the KV write ran in the one-row QKV GEMV)
 
 
 def _rope_pairs(a: np.ndarray, hd: int) -> np.ndarray:
@@ -145,6 +155,9 @@ class CudaBackend:
         # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
         # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (perf log r3, r4).
         self.fused_rope = not cfg.qk_norm
+        # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
+        # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
+        self.gemm = weights.dtype == "bfloat16"
 
         self._check_memory(weights)
         self.stream = Stream()
@@ -214,7 +227,7 @@ class CudaBackend:
         self.attn_part = cuda.device_array(R * nh * MAX_SPLITS * (hd + 2), np.float32)
         self.attn_count = cuda.device_array(R * nh, np.int32)
         s.memset0(self.attn_count)
-        self._max_ctx, self._n_attn_rows, self._n_tiles = 1, 0, 0
+        self._max_ctx, self._n_attn_rows, self._n_tiles, self._n_decode = 1, 0, 0, 0
         # Host staging: pinned on a device (async, capturable copies); a ring of two so a step's
         # inputs can be written while the previous step's copy may still be queued.
         pin = np.zeros if SIM else cuda.pinned_array
@@ -224,7 +237,8 @@ class CudaBackend:
         self._cand_host = pin(N * C + N, np.int32)
         self._out_host = pin(max(N * V, N * C), np.float32)
         self.table_stride = Scalar(ctypes.c_int32, 1)
-        self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step (GEMV row tiles)
+        self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step's GEMV row tiles
+        self.gemm_rows = (Scalar(ctypes.c_int32, 0), Scalar(ctypes.c_int32, 0))   # k_gemm's rows [first, end)
         self.n_logit = Scalar(ctypes.c_int32, 1)       # logit rows of this step (dense head tiles)
         self._R = self._N = 0
         self._threads = {threading.get_ident()}
@@ -232,7 +246,7 @@ class CudaBackend:
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
                         ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
-                         "k_final_norm", "k_sparse", "k_rope_table")}
+                         "k_final_norm", "k_sparse", "k_rope_table") + (("k_gemm",) if self.gemm else ())}
         # RoPE's cos and sin for every position within the attention's reach, computed once
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
         Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
@@ -301,6 +315,20 @@ class CudaBackend:
         lt = Launch(kt, t, tile_shmem, tile, st, name + "/tile")
         return (l1, *self._gemv_grid(k1, t, N, kp * 4)), (lt, *self._gemv_grid(kt, t, N, tile_shmem))
 
+    def _matrix(self, key: str, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
+                bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None) -> dict:
+        """A layer's launches of one matrix: `key` (one row), `key/tile` (row tiles) and, for a bf16
+        model, `key/gemm` (k_gemm over the prompt rows: launch, blocks along x)."""
+        one, tile = self._gemv_pair(name, x, x_stride, gamma, use_norm, W, K, kp, N, bias, use_bias, out,
+                                    out_stride, mode, rope)
+        launches = {key: one, key + "/tile": tile}
+        if self.gemm:
+            args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
+                    out, out_stride, mode, *self.gemm_rows]
+            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], GEMM_WARPS * MMA, 0, args,
+                                              self.stream.handle, name + "/gemm"), -(-N // GEMM_COLS))
+        return launches
+
     def _build_launches(self) -> None:
         cfg, k, st = self.cfg, self.kernels, self.stream.handle
         L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
@@ -325,10 +353,8 @@ class CudaBackend:
             if self.fused_rope:
                 bp = self.b_qkv_pairs[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv_pairs
                 rope = (self.w_qkv_pairs[l * self.dqkv * kh:(l + 1) * self.dqkv * kh], bp, kvo)
-            layer = {}
-            layer["qkv"], layer["qkv/tile"] = self._gemv_pair(
-                f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias, int(cfg.qkv_bias),
-                self.qkv, self.dqkv, 0, rope)
+            layer = self._matrix("qkv", f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias,
+                                 int(cfg.qkv_bias), self.qkv, self.dqkv, 0, rope)
             layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
                                    [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
                                     self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
@@ -346,12 +372,12 @@ class CudaBackend:
                                           self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
                                           self.attn_split, self.att, kq, self.attn_part, self.attn_count,
                                           MAX_SPLITS], st, f"attn_tiles[{l}]")
-            layer["o"], layer["o/tile"] = self._gemv_pair(
-                f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H, self.b_qkv, 0, self.x, kh, 1)
-            layer["gate_up"], layer["gate_up/tile"] = self._gemv_pair(
-                f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I, self.b_qkv, 0, self.act, ki, 2)
-            layer["down"], layer["down/tile"] = self._gemv_pair(
-                f"down[{l}]", self.act, ki, nm, 0, wd, I, ki, H, self.b_qkv, 0, self.x, kh, 1)
+            layer.update(self._matrix("o", f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H,
+                                      self.b_qkv, 0, self.x, kh, 1))
+            layer.update(self._matrix("gate_up", f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I,
+                                      self.b_qkv, 0, self.act, ki, 2))
+            layer.update(self._matrix("down", f"down[{l}]", self.act, ki, nm, 0, wd, I, ki, H, self.b_qkv,
+                                      0, self.x, kh, 1))
             self.layers.append(layer)
         self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
                               [self.x, kh, self.logit_rows, self.n_final, eps, H, kh // 8, self.hidden, kh],
@@ -410,6 +436,7 @@ class CudaBackend:
         self.stream.record(self._ring_ev[i])
         self.table_stride.value = stride
         self._max_ctx, self._n_attn_rows, self._n_tiles = max_ctx, len(rows), len(tiles)
+        self._n_decode = batch.decode_rows
 
     def _table_stride(self, S: int, mb: int) -> int:
         """Row stride of the staged block tables: mb rounded up to a power of two where the table
@@ -423,40 +450,48 @@ class CudaBackend:
         self.table_stride.value = int(mb)
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
-        """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers). One input
-        row runs the one-row GEMVs; more run tiles of TILE_ROWS rows (same arithmetic per element;
-        launch_tiles).
+        """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers; the first
+        `decode_rows` of the staged batch are decode rows), its matrices as row_plan(R) says.
         max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
         for a bound serves every batch within it."""
         nq = self.cfg.num_heads + self.cfg.num_kv_heads
         attn = self.attn_grids(self._max_ctx if max_ctx is None else max_ctx)
-        gemv, tiles = self.row_tiles(R)
+        plan = self.row_plan(R)
         self.l_embed.launch(R)
         for layer in self.layers:
-            self.launch_tiles(layer[gemv["qkv"]], tiles)
-            if self.rope_apart(R):
+            self.launch_matrix(layer, "qkv", plan)
+            if plan.rope:
                 layer["rope"].launch(R, nq)
             self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):
-                self.launch_tiles(layer[gemv[key]], tiles)
+                self.launch_matrix(layer, key, plan)
         if N:
             self.l_final.launch(N)
-
-    def rope_apart(self, R: int) -> bool:
-        """Whether an R-row step launches k_rope_kv: not for one row of a model without a q/k norm,
-        whose RoPE and KV write run in the one-row QKV GEMV."""
-        return R > 1 or not self.fused_rope
 
     _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
     _ROW_TILES = {k: k + "/tile" for k in _ONE_ROW}
 
-    def row_tiles(self, R: int) -> tuple[dict, int]:
-        """The GEMV launches for R rows (layer key of each matrix) and their row tiles: the one-row
-        kernels for one row, tiles of TILE_ROWS rows beyond (and `n_rows` set for them)."""
-        if R == 1:
-            return self._ONE_ROW, 1
-        self.n_rows.value = R
-        return self._ROW_TILES, -(-R // TILE_ROWS)
+    def row_plan(self, R: int) -> RowPlan:
+        """Which kernels compute the matrices for the staged step of R rows (and the row scalars they
+        read, set here). Prompt rows of a bf16 model (rows decode_rows .. R-1) go to k_gemm; the other
+        rows to the GEMVs: a lone row to the one-row kernels (RoPE and the KV write in the QKV GEMV's
+        epilogue where the model has no q/k norm), more rows to tiles of TILE_ROWS rows. Either GEMV
+        gives a row the same bits (launch_tiles); which kernel takes a row is its kind's, never the
+        batch's."""
+        D = min(self._n_decode, R) if self.gemm else R
+        if D == 1 == R:
+            return RowPlan(self._ONE_ROW, 1, 0, not self.fused_rope)
+        self.n_rows.value = D
+        self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
+        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), -(-(R - D) // GEMM_ROWS), True)
+
+    def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
+        """One matrix of a layer for a step's rows: GEMV tiles (or the one-row GEMV), then k_gemm."""
+        if plan.tiles:
+            self.launch_tiles(layer[plan.gemv[key]], plan.tiles)
+        if plan.blocks:
+            lz, gx = layer[key + "/gemm"]
+            lz.launch(gx, plan.blocks)
 
     def attn_grids(self, max_ctx: int) -> tuple[tuple, tuple]:
         """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time

@@ -41,6 +41,16 @@ ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) 
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
 ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
+# Prompt rows of bf16 models (k_gemm): mma.sync m16n8k16 on the tensor cores, a block of GEMM_WARPS
+# warps per (GEMM_ROWS rows x GEMM_COLS columns), each warp every GEMM_WARPS-th 32-wide K chunk.
+MMA = 32                      # lanes of an mma warp (the simulator's too: the fragments are 32-lane)
+GEMM_ROWS = 16                # k_gemm: input rows per block (the mma's M)
+GEMM_NT = 4                   # k_gemm: n8 tiles per block; = GEMM_WARPS (one epilogue thread per fragment)
+GEMM_COLS = 8 * GEMM_NT       # k_gemm: output columns per block
+GEMM_WARPS = 4                # k_gemm: warps per block (split K)
+GEMM_PART = GEMM_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
+GEMM_ACC = 4 * GEMM_NT                       # k_gemm: a lane's accumulators (4 per n8 tile)
+GEMM_SSQ = GEMM_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
@@ -70,30 +80,80 @@ if SIM:  # ------------------------------------------------------------------ si
         """One element as float32 (bf16 = uint16 bits)."""
         return _to_f32(arr[i], arr.dtype)
 
+    def _bf16(v):
+        """float32 -> bf16 bits, round to nearest even (the GPU's cvt.rn)."""
+        u = int(np.array([v], np.float32).view(np.uint32)[0])
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
     def stf(arr, i, v):
         """Store a float32 in the array's storage dtype (bf16: round to nearest even)."""
-        if arr.dtype == np.uint16:
-            u = int(np.array([v], np.float32).view(np.uint32)[0])
-            arr[i] = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-        else:
-            arr[i] = v
+        arr[i] = _bf16(v) if arr.dtype == np.uint16 else v
 
-    def _warp_exchange(v):
+    def _exchange(vals, width):
+        """Every lane's `vals` (a tuple) across a group of `width` consecutive threads: ([width, n]
+        float64, this lane). Called by every thread of the group."""
         th = threading.current_thread()
         mgr = th._manager
-        warp, lane = divmod(th.thread_id, WARP)
+        group, lane = divmod(th.thread_id, width)
+        key = (width, group, len(vals))
         with _sim_lock:
             table = mgr.__dict__.setdefault("_tt_warps", {})
-            if warp not in table:
+            if key not in table:
                 nthreads = int(np.prod(mgr._block_dim))
-                parties = min(WARP, nthreads - warp * WARP)
-                table[warp] = (threading.Barrier(parties), np.zeros(WARP, np.float32))
-            bar, buf = table[warp]
-        buf[lane] = v
+                parties = min(width, nthreads - group * width)
+                table[key] = (threading.Barrier(parties), np.zeros((width, len(vals)), np.float64))
+            bar, buf = table[key]
+        buf[lane] = vals
         bar.wait()
-        vals = buf.copy()
+        out = buf.copy()
         bar.wait()
-        return vals, lane
+        return out, lane
+
+    def _warp_exchange(v):
+        vals, lane = _exchange((v,), WARP)
+        return vals[:, 0].astype(np.float32), lane
+
+    def quad_sum(v):
+        """Sum over the 4 lanes of an mma lane quad (xor 1, then xor 2: the GPU's tree)."""
+        vals, lane = _exchange((v,), 4)
+        vals = vals[:, 0].astype(np.float32)
+        idx = np.arange(4)
+        for off in (1, 2):
+            vals = (vals + vals[idx ^ off]).astype(np.float32)
+        return vals[lane]
+
+    def ld_words(arr, i):
+        """8 bf16 from arr[i] as 4 raw 32-bit words, element i in the low half of the first."""
+        return tuple(np.uint32(int(arr[i + 2 * j]) | int(arr[i + 2 * j + 1]) << 16) for j in range(4))
+
+    def split_bf16(a, b):
+        """(hi, lo) bf16x2 words (a in the low half): hi = (a, b) rounded to bf16, lo = the remainders
+        rounded to bf16, so that a = hi + lo to ~16 significant bits."""
+        ha, hb = _bf16(a), _bf16(b)
+        la = _bf16(np.float32(a) - _to_f32(ha, np.uint16))
+        lb = _bf16(np.float32(b) - _to_f32(hb, np.uint16))
+        return np.uint32(ha | hb << 16), np.uint32(la | lb << 16)
+
+    def mma_bf16(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync m16n8k16 (bf16 in, float32 accumulate) over the 32 lanes of the warp, in the PTX
+        fragment layout: lane (g, t) holds A[g | g+8][2t, 2t+1 | 2t+8, 2t+9] in a0..a3, B[2t, 2t+1 |
+        2t+8, 2t+9][g] in b0, b1 and C/D[g | g+8][2t, 2t+1]. Each output is its exactly rounded sum
+        (math.fsum), so it depends on that element's operands only, as on the GPU."""
+        frag, lane = _exchange((a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), MMA)
+        w = frag[:, :6].astype(np.uint32)
+        lo = (w << np.uint32(16)).view(np.float32).astype(np.float64)    # the word's first element
+        hi = (w & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+
+        def k16(quad, r0, r1):
+            """The 16 k of a row of A (or a column of B) held by lane quad `quad` in registers r0, r1."""
+            ln = np.arange(4 * quad, 4 * quad + 4)
+            return np.concatenate([np.stack([lo[ln, r], hi[ln, r]], 1).ravel() for r in (r0, r1)])
+
+        g, t = divmod(lane, 4)
+        rows = (k16(g, 0, 2), k16(g, 1, 3))
+        cols = (k16(2 * t, 4, 5), k16(2 * t + 1, 4, 5))
+        return tuple(np.float32(math.fsum(list(rows[e // 2] * cols[e % 2]) + [frag[lane, 6 + e]]))
+                     for e in range(4))
 
     def warp_sum(v):
         """Xor-butterfly sum over the warp, the same tree as the GPU's shfl_xor version."""
@@ -283,6 +343,64 @@ else:  # -----------------------------------------------------------------------
 
         return sig, codegen
 
+    @intrinsic
+    def ld_words(typingctx, arr, i):
+        """8 bf16 from arr[i] (i a multiple of 8) as 4 raw 32-bit words, one 16-byte nc load."""
+        if not isinstance(arr, nbt.Array) or arr.dtype != nbt.uint16:
+            return None
+        sig = nbt.UniTuple(nbt.uint32, 4)(arr, i)
+
+        def codegen(context, builder, sig, args):
+            aty, ity = sig.args
+            words = _ldg_v4(builder, _elem_ptr(context, builder, aty, args[0], args[1], ity))
+            return context.make_tuple(builder, sig.return_type, words)
+
+        return sig, codegen
+
+    @intrinsic
+    def split_bf16(typingctx, a, b):
+        """(hi, lo) bf16x2 words (a in the low half): hi = (a, b) rounded to bf16, lo = the remainders
+        (exact in float32) rounded to bf16, so that a = hi + lo to ~16 significant bits."""
+        if a != nbt.float32 or b != nbt.float32:
+            return None
+        sig = nbt.UniTuple(nbt.uint32, 2)(a, b)
+
+        def codegen(context, builder, sig, args):
+            a, b = args
+            cvt = ir.InlineAsm(ir.FunctionType(_I32, [_F32, _F32]), "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+            hi = builder.call(cvt, [b, a])        # the first operand goes to the high half
+            lo = builder.call(cvt, [builder.fsub(b, _bf16_hi(builder, hi)),
+                                    builder.fsub(a, _bf16_lo(builder, hi))])
+            return context.make_tuple(builder, sig.return_type, [hi, lo])
+
+        return sig, codegen
+
+    @intrinsic
+    def mma_bf16(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: D = A B + C for the warp, A (16x16) in
+        a0..a3, B (16x8) in b0, b1 (bf16x2 words), C and D (16x8 float32) four per lane."""
+        words, floats = (a0, a1, a2, a3, b0, b1), (c0, c1, c2, c3)
+        if any(w != nbt.uint32 for w in words) or any(f != nbt.float32 for f in floats):
+            return None
+        sig = nbt.UniTuple(nbt.float32, 4)(*words, *floats)
+
+        def codegen(context, builder, sig, args):
+            fnty = ir.FunctionType(ir.LiteralStructType([_F32] * 4), [_I32] * 6 + [_F32] * 4)
+            asm = ir.InlineAsm(fnty, "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                                     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                               "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, list(args))
+            return context.make_tuple(builder, sig.return_type, [builder.extract_value(res, j) for j in range(4)])
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def quad_sum(v):
+        """Sum over the 4 lanes of an mma lane quad (lanes 4g .. 4g + 3)."""
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+        return v
+
     @cuda.jit(device=True, inline="always")
     def lanes_sum(v):
         """Sum over the TQ = 8 lanes of a query (an xor butterfly: every lane gets the same bits)."""
@@ -342,6 +460,20 @@ def block_max(v, red, tid, nw):
 
 
 @cuda.jit(device=True, inline="always")
+def sq8(s, v0, v1, v2, v3, v4, v5, v6, v7):
+    """s plus the squares of eight values, added in order."""
+    s += v0 * v0
+    s += v1 * v1
+    s += v2 * v2
+    s += v3 * v3
+    s += v4 * v4
+    s += v5 * v5
+    s += v6 * v6
+    s += v7 * v7
+    return s
+
+
+@cuda.jit(device=True, inline="always")
 def put_chunk(xs, o, Q, ss, v0, v1, v2, v3, v4, v5, v6, v7):
     """Store one 8-element chunk into the planar layout (element e at xs[o + e*Q]); return ss plus the
     chunk's squares, added in order."""
@@ -353,15 +485,7 @@ def put_chunk(xs, o, Q, ss, v0, v1, v2, v3, v4, v5, v6, v7):
     xs[o + 5 * Q] = v5
     xs[o + 6 * Q] = v6
     xs[o + 7 * Q] = v7
-    ss += v0 * v0
-    ss += v1 * v1
-    ss += v2 * v2
-    ss += v3 * v3
-    ss += v4 * v4
-    ss += v5 * v5
-    ss += v6 * v6
-    ss += v7 * v7
-    return ss
+    return sq8(ss, v0, v1, v2, v3, v4, v5, v6, v7)
 
 
 @cuda.jit(device=True, inline="always")
@@ -829,6 +953,98 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                 b = warp_sum(acc[4 * i + 2] + acc[4 * i + 3])
                 if lane == 0:
                     gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
+
+
+@cuda.jit(cache=True)
+def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
+    """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
+    f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
+
+    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its GEMM_WARPS warps each take every
+    GEMM_WARPS-th 32-wide K chunk. In a chunk, lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8
+    at k .. k+7 (k = chunk + 8t) and the same eight k of weight row g of each n8 tile: the mma's k
+    index is permuted within the chunk the same way for both operands, so each mma pair sums the chunk's
+    full dot product, with one 16-byte load per operand row. x (times gamma under a norm) enters as bf16
+    hi + lo (two mmas, ~16 significant bits); weights are exact. The norm's 1/rms scales the finished
+    sum. The warps' partials are summed in warp order. What an output element computes depends on its
+    row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
+    a row's bits are its own (checked by bench/gemm_check.py on the device).
+    Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
+    part = cuda.shared.array(GEMM_PART, nb_f32)
+    ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
+    acc = cuda.local.array(GEMM_ACC, nb_f32)
+    tid = cuda.threadIdx.x
+    w = tid // MMA
+    lane = tid % MMA
+    g = lane // 4
+    t = lane % 4
+    m0 = first + cuda.blockIdx.y * GEMM_ROWS
+    n0 = cuda.blockIdx.x * GEMM_COLS
+    xa = np.int64(min(m0 + g, end - 1)) * x_stride
+    xb = np.int64(min(m0 + g + 8, end - 1)) * x_stride
+    for i in range(GEMM_ACC):
+        acc[i] = np.float32(0.0)
+    sa = np.float32(0.0)
+    sb = np.float32(0.0)
+    for c in range(w * 32, Kp, GEMM_WARPS * 32):
+        k = c + 8 * t
+        ok = k < Kp
+        kk = k if ok else c            # a valid chunk whose values are dropped
+        a0, a1, a2, a3, a4, a5, a6, a7 = ld8(x, xa + kk)
+        b0, b1, b2, b3, b4, b5, b6, b7 = ld8(x, xb + kk)
+        if not ok:
+            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+            b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
+        if use_norm != 0:
+            sa = sq8(sa, a0, a1, a2, a3, a4, a5, a6, a7)
+            sb = sq8(sb, b0, b1, b2, b3, b4, b5, b6, b7)
+            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, kk)
+            a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
+            b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
+        ha0, la0 = split_bf16(a0, a1)
+        ha1, la1 = split_bf16(a2, a3)
+        ha2, la2 = split_bf16(a4, a5)
+        ha3, la3 = split_bf16(a6, a7)
+        hb0, lb0 = split_bf16(b0, b1)
+        hb1, lb1 = split_bf16(b2, b3)
+        hb2, lb2 = split_bf16(b4, b5)
+        hb3, lb3 = split_bf16(b6, b7)
+        for j in range(GEMM_NT):
+            w0, w1, w2, w3 = ld_words(W, np.int64(min(n0 + 8 * j + g, N - 1)) * Kp + kk)
+            d0, d1, d2, d3 = mma_bf16(ha0, hb0, ha1, hb1, w0, w1, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
+            d0, d1, d2, d3 = mma_bf16(la0, lb0, la1, lb1, w0, w1, d0, d1, d2, d3)
+            d0, d1, d2, d3 = mma_bf16(ha2, hb2, ha3, hb3, w2, w3, d0, d1, d2, d3)
+            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_bf16(la2, lb2, la3, lb3, w2, w3, d0, d1, d2, d3)
+    for j in range(GEMM_NT):
+        for e in range(4):
+            part[((w * GEMM_NT + j) * 4 + e) * MMA + lane] = acc[4 * j + e]
+    if use_norm != 0:
+        sa = quad_sum(sa)
+        sb = quad_sum(sb)
+        if t == 0:
+            ssq[w * GEMM_ROWS + g] = sa
+            ssq[w * GEMM_ROWS + g + 8] = sb
+    cuda.syncthreads()
+    # epilogue: thread (w, lane) finishes fragment `lane` of n8 tile w (GEMM_NT == GEMM_WARPS)
+    col = n0 + 8 * w + 2 * t
+    if col >= N:
+        return
+    for h in range(2):
+        row = m0 + g + 8 * h
+        if row < end:
+            v0 = part[(w * 4 + 2 * h) * MMA + lane]
+            v1 = part[(w * 4 + 2 * h + 1) * MMA + lane]
+            for u in range(1, GEMM_WARPS):
+                v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
+                v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
+            if use_norm != 0:
+                s = ssq[g + 8 * h]
+                for u in range(1, GEMM_WARPS):
+                    s += ssq[u * GEMM_ROWS + g + 8 * h]
+                inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
+                v0 *= inv
+                v1 *= inv
+            gemv_store(out, np.int64(row) * out_stride, col // 2, col, col + 1, N, v0, v1, bias, use_bias, mode)
 
 
 @cuda.jit(cache=True)
@@ -1350,9 +1566,11 @@ def signatures(storage: str) -> dict:
                          i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
+        **({"k_gemm": (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)}
+           if storage == "bfloat16" else {}),
     }
 
 
 KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
            "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
-           "k_final_norm": k_final_norm, "k_sparse": k_sparse}
+           "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm}
