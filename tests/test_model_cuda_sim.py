@@ -39,7 +39,7 @@ CASES = [
 ]
 
 
-def _run_cases(sim: bool, timeout: int = 240) -> dict:
+def _run_cases(sim: bool, timeout: int = 600) -> dict:
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     if sim:

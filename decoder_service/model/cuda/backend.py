@@ -22,9 +22,11 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
     [L, num_blocks, block_size, n_kv, head_dim] in the storage dtype).
 
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
-gate/up+SwiGLU, down+residual; final norm), plus one for a head; a step with both decode and prompt
-rows has two attention launches a layer (k_attn_rows, k_attn_tiles): decode rows and prompt rows before
-position attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
+gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
+in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm) and decode rows the
+GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, k_attn_tiles):
+decode rows and prompt rows before position attn_tile_from attend one row at a time, later prompt rows
+in tiles of a chunk's rows.
 """
 from __future__ import annotations
 
@@ -37,8 +39,8 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, QB, ROW_SPLITS, SIM, TILE_ROWS, TP,
-                      TQ, WARP, attn_shared_floats)
+from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MQ, QB, ROW_SPLITS, SIM,
+                      TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -138,7 +140,10 @@ class CudaBackend:
             self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
-        self.rows_per_tile = QB // (nh // nkv)    # prompt attention: rows whose queries share a block
+        # Prompt rows of a bf16 model (head_dim <= MMA_HD) attend in tiles on the tensor cores
+        # (k_attn_mma, MQ queries a tile; perf log m2), others in k_attn_tiles (QB queries)
+        self.mma_attn = weights.dtype == "bfloat16" and hd <= MMA_HD
+        self.rows_per_tile = (MQ if self.mma_attn else QB) // (nh // nkv)   # rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
         if self.rows_per_tile < 1:
             raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
@@ -246,7 +251,8 @@ class CudaBackend:
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         self.kernels = {name: Kernel(name, self.storage) for name in
                         ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
-                         "k_final_norm", "k_sparse", "k_rope_table") + (("k_gemm",) if self.gemm else ())}
+                         "k_final_norm", "k_sparse", "k_rope_table") + (("k_gemm",) if self.gemm else ())
+                        + (("k_attn_mma",) if self.mma_attn else ())}
         # RoPE's cos and sin for every position within the attention's reach, computed once
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
         Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
@@ -336,7 +342,8 @@ class CudaBackend:
         eps = float(cfg.rms_norm_eps)
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
-        attn_shmem = attn_shared_floats(hd, MAX_SPLITS) * 4
+        attn_tiles = (k["k_attn_mma"], 4 * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
+            else (k["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
                               [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
         self.layers = []
@@ -366,7 +373,7 @@ class CudaBackend:
                                          self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
                                          self.att, kq, self.attn_part, self.attn_count, ROW_SPLITS],
                                         st, f"attn_rows[{l}]")
-            layer["attn_tiles"] = Launch(k["k_attn_tiles"], QB * TQ, attn_shmem,
+            layer["attn_tiles"] = Launch(*attn_tiles,
                                          [self.qkv, self.dqkv, self.positions, self.attn_tiles, self.slots,
                                           self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
                                           self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),

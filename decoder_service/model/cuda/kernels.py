@@ -29,7 +29,7 @@ from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda com
 
 import numba  # noqa: E402
 from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64  # noqa: E402
+from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64, uint32 as nb_u32  # noqa: E402
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
 WARP = 4 if SIM else 32
@@ -51,6 +51,12 @@ GEMM_WARPS = 4                # k_gemm: warps per block (split K)
 GEMM_PART = GEMM_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
 GEMM_ACC = 4 * GEMM_NT                       # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_SSQ = GEMM_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
+MQ = 16                       # k_attn_mma: queries per block (the mma's M)
+MMA_HD = 128                  # k_attn_mma: largest head_dim (static shared sizes, unrolled dim tiles)
+VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
+ATT_QW = MQ * MMA_HD          # k_attn_mma: q as mma words (bf16 hi + lo pairs)
+ATT_VT = 4 * MMA_HD * VT_STRIDE   # k_attn_mma: the four warps' V^T
+ATT_ACC = MMA_HD // 2         # k_attn_mma: a lane's output accumulators (4 per 8-dim tile)
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
@@ -121,6 +127,14 @@ if SIM:  # ------------------------------------------------------------------ si
         for off in (1, 2):
             vals = (vals + vals[idx ^ off]).astype(np.float32)
         return vals[lane]
+
+    def mma_sync():
+        """A barrier of the 32 lanes of an mma warp (__syncwarp)."""
+        _exchange((0.0,), MMA)
+
+    def quad_max(v):
+        vals, lane = _exchange((v,), 4)
+        return np.float32(vals[:, 0].max())
 
     def ld_words(arr, i):
         """8 bf16 from arr[i] as 4 raw 32-bit words, element i in the low half of the first."""
@@ -399,6 +413,17 @@ else:  # -----------------------------------------------------------------------
         """Sum over the 4 lanes of an mma lane quad (lanes 4g .. 4g + 3)."""
         v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 1)
         v += cuda.shfl_xor_sync(0xFFFFFFFF, v, 2)
+        return v
+
+    @cuda.jit(device=True, inline="always")
+    def mma_sync():
+        """A barrier of the 32 lanes of an mma warp (__syncwarp)."""
+        cuda.syncwarp()
+
+    @cuda.jit(device=True, inline="always")
+    def quad_max(v):
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
+        v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         return v
 
     @cuda.jit(device=True, inline="always")
@@ -1233,6 +1258,68 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         counters[rh] = 0
 
 
+@cuda.jit(device=True, inline="always")
+def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
+                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T):
+    """The end of a prompt-attention block (128 threads: TQ lanes per query qi) whose split partials
+    (max, sum, acc) are in `part`: the (tile, KV head)'s last block to finish merges each query's
+    splits into `out`. Shared scratch: weights at sh[wo + qi * maxs + k], sums at sh[lo + qi]."""
+    stride = hd + 2
+    cuda.threadfence()
+    cuda.syncthreads()
+    if tid == 0:
+        ticket = cuda.atomic.add(counters, tile * nkv + kvh, 1)
+        flag[0] = 1 if ticket == ns - 1 else 0
+    cuda.syncthreads()
+    if flag[0] == 0:
+        return
+    cuda.threadfence()
+    # The last block merges each query's splits 0..nsq-1: the query's lanes find the max M over the
+    # splits and their weights exp(m_k - M) (into shared, over the K/V tile), and sum l_k x weight
+    # (lane partials in ascending k, then the lanes' tree); then every thread takes output elements
+    # and sums acc_k x weight over k in ascending order, four loads in flight.
+    nsq = (n_q + split - 1) // split
+    big = np.float32(-math.inf)
+    for k in range(sub, nsq, TQ):
+        big = max(big, ld_l2(part, rb + k * stride))
+    big = lanes_max(big)
+    lp = np.float32(0.0)
+    for k in range(sub, nsq, TQ):
+        w = math.exp(ld_l2(part, rb + k * stride) - big)
+        sh[np.uint64(wo + qi * maxs + k)] = w
+        lp += ld_l2(part, rb + k * stride + 1) * w
+    lp = lanes_sum(lp)
+    if active and sub == 0:
+        sh[np.uint64(lo + qi)] = lp
+    cuda.syncthreads()
+    for i in range(tid, nq * hd, T):
+        qq = i // hd
+        d = i - qq * hd
+        rq = r0 + qq // group
+        hq = kvh * group + qq % group
+        nk = (positions[rq] + split) // split    # = ceil((position + 1) / split), as nsq
+        src = (np.int64(rq) * nkv * group + hq) * maxs * stride + 2 + d
+        wq = wo + qq * maxs
+        o = ld_l2(part, src) * sh[np.uint64(wq)]
+        k = 1
+        while k + 3 < nk:
+            x1 = ld_l2(part, src + k * stride)
+            x2 = ld_l2(part, src + (k + 1) * stride)
+            x3 = ld_l2(part, src + (k + 2) * stride)
+            x4 = ld_l2(part, src + (k + 3) * stride)
+            o += x1 * sh[np.uint64(wq + k)]
+            o += x2 * sh[np.uint64(wq + k + 1)]
+            o += x3 * sh[np.uint64(wq + k + 2)]
+            o += x4 * sh[np.uint64(wq + k + 3)]
+            k += 4
+        while k < nk:
+            o += ld_l2(part, src + k * stride) * sh[np.uint64(wq + k)]
+            k += 1
+        out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint64(lo + qq)]
+    if tid == 0:
+        counters[tile * nkv + kvh] = 0
+
+
 @cuda.jit(cache=True)
 def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
                  scale, split, out, out_stride, part, counters, maxs):
@@ -1417,59 +1504,241 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
             part[pb + 1] = l
         for d in range(sub, hd, TQ):
             part[pb + 2 + d] = sh[np.uint64(arow + d)]
-    cuda.threadfence()
-    cuda.syncthreads()
-    if tid == 0:
-        ticket = cuda.atomic.add(counters, tile * nkv + kvh, 1)
-        flag[0] = 1 if ticket == ns - 1 else 0
-    cuda.syncthreads()
-    if flag[0] == 0:
+    merge_splits(sh, ko, 0, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
+                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
+
+
+@cuda.jit(device=True, inline="always")
+def softmax_step(m, mn, a, b, c, d):
+    """One online-softmax step of a query row: (the old accumulator's factor exp(m - mn), the weights
+    exp(x - mn) of scores a..d); masked scores (-inf) weigh 0, and a row with no score yet keeps 1."""
+    if mn == -math.inf:
+        return np.float32(1.0), np.float32(0.0), np.float32(0.0), np.float32(0.0), np.float32(0.0)
+    return (math.exp(m - mn), math.exp(a - mn), math.exp(b - mn), math.exp(c - mn), math.exp(d - mn))
+
+
+@cuda.jit(cache=True)
+def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
+               scale, split, out, out_stride, part, counters, maxs):
+    """k_attn_tiles on the tensor cores (bf16 pool): the same grid, tiles, splits and split merge, for
+    MQ queries a tile (MQ // group rows x the KV head's query heads).
+
+    Each of the block's four warps takes every fourth 16-position block of the split and keeps its own
+    online softmax: S = q K^T by mma (q scaled, as bf16 hi + lo from shared memory; K straight from the
+    pool, lane (g, t) reading dims 8t .. 8t+7 of position g of each n8 tile, the k permutation of
+    k_gemm), positions past a query's own masked; per row the block's max and sum are quad trees
+    over the lane's four values in order; P (hi + lo) times V by mma, V staged per warp in shared
+    memory as V^T bf16 pairs. The warps' (max, sum, acc) merge in warp order, then the split's
+    partial goes where k_attn_tiles puts it and merge_splits finishes. A query's arithmetic depends on
+    its position and the pool alone (the 16-position blocks and the warp that takes each are fixed by
+    absolute position), never on its tile mates, the tile it lands in or the batch.
+    Block: 4 * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs)."""
+    qw = cuda.shared.array(ATT_QW, nb_u32)
+    vt = cuda.shared.array(ATT_VT, nb_u32)
+    sh = cuda.shared.array(0, nb_f32)
+    flag = cuda.shared.array(1, nb_i32)
+    tile = cuda.blockIdx.x
+    kvh = cuda.blockIdx.y
+    sp = cuda.blockIdx.z
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    w = tid // MMA
+    lane = tid % MMA
+    g = lane // 4
+    t = lane % 4
+    r0 = tiles[2 * tile]
+    nrows = tiles[2 * tile + 1]
+    nq = nrows * group
+    n_max = positions[r0 + nrows - 1] + 1
+    ns = (n_max + split - 1) // split
+    if sp >= ns:
         return
-    cuda.threadfence()
-    # The last block merges each query's splits 0..nsq-1: the query's lanes find the max M over the
-    # splits and their weights exp(m_k - M) (into shared, over the K/V tile), and sum l_k x weight
-    # (lane partials in ascending k, then the lanes' tree); then every thread takes output elements
-    # and sums acc_k x weight over k in ascending order, four loads in flight.
-    nsq = (n_q + split - 1) // split
-    big = np.float32(-math.inf)
-    for k in range(sub, nsq, TQ):
-        big = max(big, ld_l2(part, rb + k * stride))
-    big = lanes_max(big)
-    lp = np.float32(0.0)
-    for k in range(sub, nsq, TQ):
-        w = math.exp(ld_l2(part, rb + k * stride) - big)
-        sh[np.uint64(ko + qi * maxs + k)] = w
-        lp += ld_l2(part, rb + k * stride + 1) * w
-    lp = lanes_sum(lp)
-    if active and sub == 0:
-        sh[np.uint64(qi)] = lp                  # over q, no longer read
+    p_begin = sp * split
+    p_end = min(p_begin + split, n_max)
+    slot = slots[r0]
+    rowlen = np.int64(nkv) * hd
+    nch = (hd + 31) // 32
+    # q (scaled) as the mma's A words: chunk c, lane L: rows gL and gL + 8 at dims 32c + 8tL .. + 7,
+    # words j = 0..7 hi (row pairs interleaved as the A fragment wants them), 8..15 lo
+    for u in range(tid, nch * MMA, T):
+        c = u // MMA
+        ln = u - c * MMA
+        d = c * 32 + 8 * (ln % 4)
+        for half in range(2):
+            qq = ln // 4 + 8 * half
+            v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
+            if qq < nq and d < hd:
+                v0, v1, v2, v3, v4, v5, v6, v7 = ld8(qkv, np.int64(r0 + qq // group) * qkv_stride
+                                                     + (kvh * group + qq % group) * hd + d)
+            o = c * 16 * MMA + half * MMA + ln
+            for j, (x, y) in enumerate(((v0, v1), (v2, v3), (v4, v5), (v6, v7))):
+                hi, lo = split_bf16(x * scale, y * scale)
+                qw[o + 2 * j * MMA] = hi
+                qw[o + (8 + 2 * j) * MMA] = lo
     cuda.syncthreads()
-    for i in range(tid, nq * hd, T):
-        qq = i // hd
-        d = i - qq * hd
-        rq = r0 + qq // group
-        hq = kvh * group + qq % group
-        nk = (positions[rq] + split) // split    # = ceil((position + 1) / split), as nsq
-        src = (np.int64(rq) * nkv * group + hq) * maxs * stride + 2 + d
-        wq = ko + qq * maxs
-        o = ld_l2(part, src) * sh[np.uint64(wq)]
-        k = 1
-        while k + 3 < nk:
-            x1 = ld_l2(part, src + k * stride)
-            x2 = ld_l2(part, src + (k + 1) * stride)
-            x3 = ld_l2(part, src + (k + 2) * stride)
-            x4 = ld_l2(part, src + (k + 3) * stride)
-            o += x1 * sh[np.uint64(wq + k)]
-            o += x2 * sh[np.uint64(wq + k + 1)]
-            o += x3 * sh[np.uint64(wq + k + 2)]
-            o += x4 * sh[np.uint64(wq + k + 3)]
-            k += 4
-        while k < nk:
-            o += ld_l2(part, src + k * stride) * sh[np.uint64(wq + k)]
-            k += 1
-        out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint64(qq)]
-    if tid == 0:
-        counters[tile * nkv + kvh] = 0
+    qa = g
+    qb = g + 8
+    # a row's scores count up to its own position and the split's end
+    n_a = min(positions[r0 + min(qa, nq - 1) // group] + 1, p_end) if qa < nq else 0
+    n_b = min(positions[r0 + min(qb, nq - 1) // group] + 1, p_end) if qb < nq else 0
+    ninf = np.float32(-math.inf)
+    m_a = ninf
+    m_b = ninf
+    l_a = np.float32(0.0)
+    l_b = np.float32(0.0)
+    acc = cuda.local.array(ATT_ACC, nb_f32)       # O: dim tile j's C fragment at 4j .. 4j+3
+    for i in range(ATT_ACC):
+        acc[i] = np.float32(0.0)
+    nj = hd // 8
+    vw = w * MMA_HD * VT_STRIDE
+    for pb in range(p_begin + 16 * w, p_end, 64):
+        k0 = np.int64(-1)
+        k1 = np.int64(-1)
+        if pb + g < p_end:
+            k0 = kv_base(bt, mb, slot, pb + g, bs, layer_off, rowlen, kvh, hd)
+        if pb + 8 + g < p_end:
+            k1 = kv_base(bt, mb, slot, pb + 8 + g, bs, layer_off, rowlen, kvh, hd)
+        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+        for c in range(MMA_HD // 32):
+            if c < nch:
+                d = c * 32 + 8 * t
+                ok = d < hd
+                dd = d if ok else 0
+                z = np.uint32(0)
+                w0 = w1 = w2 = w3 = u0 = u1 = u2 = u3 = z
+                if ok and k0 >= 0:
+                    w0, w1, w2, w3 = ld_words(kc, k0 + dd)
+                if ok and k1 >= 0:
+                    u0, u1, u2, u3 = ld_words(kc, k1 + dd)
+                o = c * 16 * MMA + lane
+                h0, h1, h2, h3 = qw[o], qw[o + MMA], qw[o + 2 * MMA], qw[o + 3 * MMA]
+                h4, h5, h6, h7 = qw[o + 4 * MMA], qw[o + 5 * MMA], qw[o + 6 * MMA], qw[o + 7 * MMA]
+                e0, e1, e2, e3 = qw[o + 8 * MMA], qw[o + 9 * MMA], qw[o + 10 * MMA], qw[o + 11 * MMA]
+                e4, e5, e6, e7 = qw[o + 12 * MMA], qw[o + 13 * MMA], qw[o + 14 * MMA], qw[o + 15 * MMA]
+                s0, s1, s2, s3 = mma_bf16(h0, h1, h2, h3, w0, w1, s0, s1, s2, s3)
+                s0, s1, s2, s3 = mma_bf16(e0, e1, e2, e3, w0, w1, s0, s1, s2, s3)
+                s0, s1, s2, s3 = mma_bf16(h4, h5, h6, h7, w2, w3, s0, s1, s2, s3)
+                s0, s1, s2, s3 = mma_bf16(e4, e5, e6, e7, w2, w3, s0, s1, s2, s3)
+                s4, s5, s6, s7 = mma_bf16(h0, h1, h2, h3, u0, u1, s4, s5, s6, s7)
+                s4, s5, s6, s7 = mma_bf16(e0, e1, e2, e3, u0, u1, s4, s5, s6, s7)
+                s4, s5, s6, s7 = mma_bf16(h4, h5, h6, h7, u2, u3, s4, s5, s6, s7)
+                s4, s5, s6, s7 = mma_bf16(e4, e5, e6, e7, u2, u3, s4, s5, s6, s7)
+        # lane (g, t): s0, s1 / s2, s3 = rows g / g+8 at positions pb + 2t, + 1; s4 .. s7 at pb + 8 + 2t, + 1
+        p0 = pb + 2 * t
+        p1 = p0 + 8
+        s0 = s0 if p0 < n_a else ninf
+        s1 = s1 if p0 + 1 < n_a else ninf
+        s4 = s4 if p1 < n_a else ninf
+        s5 = s5 if p1 + 1 < n_a else ninf
+        s2 = s2 if p0 < n_b else ninf
+        s3 = s3 if p0 + 1 < n_b else ninf
+        s6 = s6 if p1 < n_b else ninf
+        s7 = s7 if p1 + 1 < n_b else ninf
+        mn_a = max(m_a, quad_max(max(max(s0, s1), max(s4, s5))))
+        mn_b = max(m_b, quad_max(max(max(s2, s3), max(s6, s7))))
+        al_a, s0, s1, s4, s5 = softmax_step(m_a, mn_a, s0, s1, s4, s5)
+        al_b, s2, s3, s6, s7 = softmax_step(m_b, mn_b, s2, s3, s6, s7)
+        l_a = l_a * al_a + quad_sum(s0 + s1 + s4 + s5)
+        l_b = l_b * al_b + quad_sum(s2 + s3 + s6 + s7)
+        m_a = mn_a
+        m_b = mn_b
+        pa0, qa0 = split_bf16(s0, s1)
+        pb0, qb0 = split_bf16(s2, s3)
+        pa1, qa1 = split_bf16(s4, s5)
+        pb1, qb1 = split_bf16(s6, s7)
+        # V of the 16 positions into this warp's V^T: unit (pair pr, dims 8dg ..) -> 8 words
+        mma_sync()
+        for u in range(lane, nj * 8, MMA):
+            dg = u // 8
+            pr = u - dg * 8
+            va = np.int64(-1)
+            vb = np.int64(-1)
+            if pb + 2 * pr < p_end:
+                va = kv_base(bt, mb, slot, pb + 2 * pr, bs, layer_off, rowlen, kvh, hd)
+            if pb + 2 * pr + 1 < p_end:
+                vb = kv_base(bt, mb, slot, pb + 2 * pr + 1, bs, layer_off, rowlen, kvh, hd)
+            z = np.uint32(0)
+            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = z
+            if va >= 0:
+                x0, x1, x2, x3 = ld_words(vc, va + 8 * dg)
+            if vb >= 0:
+                y0, y1, y2, y3 = ld_words(vc, vb + 8 * dg)
+            o = vw + 8 * dg * VT_STRIDE + pr
+            for j, (x, y) in enumerate(((x0, y0), (x1, y1), (x2, y2), (x3, y3))):
+                vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
+                vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
+        mma_sync()
+        for j in range(MMA_HD // 8):
+            if j < nj:
+                o = vw + (8 * j + g) * VT_STRIDE + t
+                b0 = vt[o]
+                b1 = vt[o + 4]
+                c0 = acc[4 * j] * al_a
+                c1 = acc[4 * j + 1] * al_a
+                c2 = acc[4 * j + 2] * al_b
+                c3 = acc[4 * j + 3] * al_b
+                c0, c1, c2, c3 = mma_bf16(pa0, pb0, pa1, pb1, b0, b1, c0, c1, c2, c3)
+                acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = \
+                    mma_bf16(qa0, qb0, qa1, qb1, b0, b1, c0, c1, c2, c3)
+    # the warps' states into shared: max and sum at [w * MQ + q] and [4 MQ + w * MQ + q], acc after
+    ao = 8 * MQ
+    if t == 0:
+        sh[w * MQ + qa] = m_a
+        sh[w * MQ + qb] = m_b
+        sh[4 * MQ + w * MQ + qa] = l_a
+        sh[4 * MQ + w * MQ + qb] = l_b
+    for j in range(MMA_HD // 8):
+        if j < nj:
+            d = 8 * j + 2 * t
+            sh[ao + (w * MQ + qa) * hd + d] = acc[4 * j]
+            sh[ao + (w * MQ + qa) * hd + d + 1] = acc[4 * j + 1]
+            sh[ao + (w * MQ + qb) * hd + d] = acc[4 * j + 2]
+            sh[ao + (w * MQ + qb) * hd + d + 1] = acc[4 * j + 3]
+    cuda.syncthreads()
+    # merge the warps in order: thread (query qi = tid // TQ, lane sub) takes dims sub, sub + TQ, ...
+    qi = tid // TQ
+    sub = tid - qi * TQ
+    active = qi < nq
+    row = r0 + min(qi, nq - 1) // group
+    h = kvh * group + min(qi, nq - 1) % group
+    n_q = positions[row] + 1 if active else 0
+    big = ninf
+    if qi < MQ:
+        for u in range(GEMM_WARPS):
+            big = max(big, sh[u * MQ + qi])
+    l = np.float32(0.0)
+    ob = np.int64(row) * out_stride + h * hd
+    stride = hd + 2
+    rb = (np.int64(row) * nkv * group + h) * maxs * stride
+    pbase = rb + sp * stride
+    if active and p_begin < n_q:
+        for u in range(GEMM_WARPS):
+            mu = sh[u * MQ + qi]
+            if mu > ninf:
+                l += sh[4 * MQ + u * MQ + qi] * math.exp(mu - big)
+        for d in range(sub, hd, TQ):
+            x = np.float32(0.0)
+            for u in range(GEMM_WARPS):
+                mu = sh[u * MQ + qi]
+                if mu > ninf:
+                    x += sh[ao + (u * MQ + qi) * hd + d] * math.exp(mu - big)
+            if ns == 1:
+                out[ob + d] = x / l
+            else:
+                part[pbase + 2 + d] = x
+        if ns > 1 and sub == 0:
+            part[pbase] = big
+            part[pbase + 1] = l
+    if ns == 1:
+        return
+    cuda.syncthreads()   # the warps' states are read: merge_splits may reuse the shared memory
+    merge_splits(sh, 0, MQ * maxs, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd,
+                 split, maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
+
+
+def attn_mma_shared_floats(hd: int, maxs: int) -> int:
+    """k_attn_mma's dynamic shared memory in floats: the warps' (max, sum, acc), then merge_splits'."""
+    return max(8 * MQ + 4 * MQ * hd, MQ * maxs + MQ)
 
 
 def attn_shared_floats(hd: int, maxs: int) -> int:
@@ -1566,11 +1835,12 @@ def signatures(storage: str) -> dict:
                          i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
-        **({"k_gemm": (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)}
-           if storage == "bfloat16" else {}),
+        **({"k_gemm": (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32),
+            "k_attn_mma": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
+                           i32, f32, ai, i32)} if storage == "bfloat16" else {}),
     }
 
 
 KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
            "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
-           "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm}
+           "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm, "k_attn_mma": k_attn_mma}
