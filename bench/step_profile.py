@@ -95,8 +95,9 @@ def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
 
     from decoder_service.model.cuda import kernels
     from decoder_service.model.cuda.launcher import Kernel, Launch
-    kern = be.kernels["k_attn_tiles"] if not regs else \
-        Kernel("k_attn_tiles", be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.k_attn_tiles.py_func))
+    name = be.layers[0]["attn_tiles"].kernel.name     # k_attn_mma (bf16) or k_attn_tiles
+    kern = be.kernels[name] if not regs else \
+        Kernel(name, be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.KERNELS[name].py_func))
     out = []
     for layer in be.layers:
         a = layer["attn_tiles"]
@@ -162,8 +163,8 @@ def staged(be, batch: StepBatch, kernel: str, split: int | None = None) -> tuple
 
 
 def kernel_variants(be, regs_list: list[int], splits: list[int]) -> list:
-    """k_attn_rows for every row, then k_attn_tiles for every row under each register cap (at the
-    backend's split), then under each split size."""
+    """k_attn_rows for every row, then the prompt tiles' kernel (k_attn_mma or k_attn_tiles) for every
+    row under each register cap (at the backend's split), then under each split size."""
     def grid(split):
         return lambda batch: staged(be, batch, "tiles", split)
     rows = [layer["attn_rows"] for layer in be.layers]
@@ -171,11 +172,12 @@ def kernel_variants(be, regs_list: list[int], splits: list[int]) -> list:
     for regs in regs_list:
         launches = attention_launches(be, regs)
         k = launches[0].kernel
-        out.append((f"k_attn_tiles, cap {regs or 'none'} ({k.attrs.regs} registers, "
+        out.append((f"{k.name}, cap {regs or 'none'} ({k.attrs.regs} registers, "
                     f"{k.occupancy(launches[0].block, launches[0].shmem)} blocks/SM)", launches,
                     grid(be.attn_split)))
     for split in splits:
-        out.append((f"k_attn_tiles, split {split}", attention_launches(be, split=split), grid(split)))
+        launches = attention_launches(be, split=split)
+        out.append((f"{launches[0].kernel.name}, split {split}", launches, grid(split)))
     return out
 
 

@@ -39,7 +39,7 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MQ, QB, ROW_SPLITS, SIM,
+from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM,
                       TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
@@ -150,7 +150,9 @@ class CudaBackend:
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
-        self.attn_split = max(TP, limit) if attn_split is None else int(attn_split)
+        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 8 (perf log m2)
+        default = max(MMA_SPLIT, limit) if self.mma_attn and not SIM else max(TP, limit)
+        self.attn_split = default if attn_split is None else int(attn_split)
         if self.attn_split % TP or self.attn_split < TP:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
                              f"of {TP}")

@@ -53,6 +53,7 @@ GEMM_ACC = 4 * GEMM_NT                       # k_gemm: a lane's accumulators (4 
 GEMM_SSQ = GEMM_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
 MMA_HD = 128                  # k_attn_mma: largest head_dim (static shared sizes, unrolled dim tiles)
+MMA_SPLIT = 512               # k_attn_mma: default split (positions) of a prompt row's context
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_QW = MQ * MMA_HD          # k_attn_mma: q as mma words (bf16 hi + lo pairs)
 ATT_VT = 4 * MMA_HD * VT_STRIDE   # k_attn_mma: the four warps' V^T
@@ -980,6 +981,29 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
                     gemv_store(out, np.int64(r0 + i) * out_stride, p, ra, rb, N, a, b, bias, use_bias, mode)
 
 
+@cuda.jit(device=True, inline="always")
+def gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c):
+    """k_gemm's operands of the 32-wide K chunk at c for lane (g, t): x rows (offsets xa, xb) and gamma
+    at k = c + 8t .. + 7 into cx[0:8], cx[8:16], cx[16:24]; the four n8 tiles' weight row g there into
+    cw (4 words each). Past K (or past Kp: no chunk) the values are zeros, the loads still valid."""
+    k = c + 8 * t
+    ok = k < Kp
+    kk = k if ok else 0
+    v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xa + kk)
+    y0, y1, y2, y3, y4, y5, y6, y7 = ld8(x, xb + kk)
+    z = np.float32(0.0)
+    if not ok:
+        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = z
+        y0 = y1 = y2 = y3 = y4 = y5 = y6 = y7 = z
+    cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7] = v0, v1, v2, v3, v4, v5, v6, v7
+    cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15] = y0, y1, y2, y3, y4, y5, y6, y7
+    if use_norm != 0:
+        cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23] = ld8(gamma, kk)
+    for j in range(GEMM_NT):
+        w0, w1, w2, w3 = ld_words(W, np.int64(min(n0 + 8 * j + g, N - 1)) * Kp + kk)
+        cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3] = w0, w1, w2, w3
+
+
 @cuda.jit(cache=True)
 def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
@@ -1011,19 +1035,22 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         acc[i] = np.float32(0.0)
     sa = np.float32(0.0)
     sb = np.float32(0.0)
-    for c in range(w * 32, Kp, GEMM_WARPS * 32):
-        k = c + 8 * t
-        ok = k < Kp
-        kk = k if ok else c            # a valid chunk whose values are dropped
-        a0, a1, a2, a3, a4, a5, a6, a7 = ld8(x, xa + kk)
-        b0, b1, b2, b3, b4, b5, b6, b7 = ld8(x, xb + kk)
-        if not ok:
-            a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
-            b0 = b1 = b2 = b3 = b4 = b5 = b6 = b7 = np.float32(0.0)
+    # chunk c's operands in registers (cx: x rows g, g+8 then gamma; cw: the n8 tiles' weight words),
+    # the next chunk's loads issued before this chunk's mmas
+    cx = cuda.local.array(24, nb_f32)
+    cw = cuda.local.array(GEMM_ACC, nb_u32)
+    c = w * 32
+    gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c)
+    while c < Kp:
+        nx = cuda.local.array(24, nb_f32)
+        nw = cuda.local.array(GEMM_ACC, nb_u32)
+        gemm_load(nx, nw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + GEMM_WARPS * 32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7]
+        b0, b1, b2, b3, b4, b5, b6, b7 = cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15]
         if use_norm != 0:
             sa = sq8(sa, a0, a1, a2, a3, a4, a5, a6, a7)
             sb = sq8(sb, b0, b1, b2, b3, b4, b5, b6, b7)
-            g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, kk)
+            g0, g1, g2, g3, g4, g5, g6, g7 = cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23]
             a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
             b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
         ha0, la0 = split_bf16(a0, a1)
@@ -1035,11 +1062,16 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         hb2, lb2 = split_bf16(b4, b5)
         hb3, lb3 = split_bf16(b6, b7)
         for j in range(GEMM_NT):
-            w0, w1, w2, w3 = ld_words(W, np.int64(min(n0 + 8 * j + g, N - 1)) * Kp + kk)
+            w0, w1, w2, w3 = cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3]
             d0, d1, d2, d3 = mma_bf16(ha0, hb0, ha1, hb1, w0, w1, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
             d0, d1, d2, d3 = mma_bf16(la0, lb0, la1, lb1, w0, w1, d0, d1, d2, d3)
             d0, d1, d2, d3 = mma_bf16(ha2, hb2, ha3, hb3, w2, w3, d0, d1, d2, d3)
             acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_bf16(la2, lb2, la3, lb3, w2, w3, d0, d1, d2, d3)
+        for i in range(24):
+            cx[i] = nx[i]
+        for i in range(GEMM_ACC):
+            cw[i] = nw[i]
+        c += GEMM_WARPS * 32
     for j in range(GEMM_NT):
         for e in range(4):
             part[((w * GEMM_NT + j) * 4 + e) * MMA + lane] = acc[4 * j + e]
