@@ -150,7 +150,7 @@ class CudaBackend:
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
-        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 8 (perf log m2)
+        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 4 (perf log m2)
         default = max(MMA_SPLIT, limit) if self.mma_attn and not SIM else max(TP, limit)
         self.attn_split = default if attn_split is None else int(attn_split)
         if self.attn_split % TP or self.attn_split < TP:
