@@ -52,12 +52,15 @@ GEMM_PART = GEMM_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles 
 GEMM_ACC = 4 * GEMM_NT                       # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_SSQ = GEMM_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
-MMA_HD = 128                  # k_attn_mma: largest head_dim (static shared sizes, unrolled dim tiles)
+MMA_HD = 64                   # k_attn_mma: largest head_dim (registers and shared sizes; perf log m3)
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_QW = MQ * MMA_HD          # k_attn_mma: q as mma words (bf16 hi + lo pairs)
 ATT_VT = 4 * MMA_HD * VT_STRIDE   # k_attn_mma: the four warps' V^T
 ATT_ACC = MMA_HD // 2         # k_attn_mma: a lane's output accumulators (4 per 8-dim tile)
+ATT_KW = MMA_HD // 4          # k_attn_mma: a lane's K words of a 16-position block (2 n8 tiles x 4 a chunk)
+ATT_VU = MMA_HD // MMA        # k_attn_mma: a lane's V units (8 dims of a position pair) of a block
+ATT_VW = 8 * ATT_VU           # k_attn_mma: their words
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
@@ -1549,6 +1552,47 @@ def softmax_step(m, mn, a, b, c, d):
     return (math.exp(m - mn), math.exp(a - mn), math.exp(b - mn), math.exp(c - mn), math.exp(d - mn))
 
 
+@cuda.jit(device=True, inline="always")
+def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane):
+    """k_attn_mma's pool words for the 16-position block at pb (zeros past p_end or hd): K of positions
+    pb + g and pb + 8 + g at dims 32c + 8t .. + 7 into kw[8c .. 8c+3] and kw[8c+4 .. 8c+7]; V of
+    positions pb + 2pr and pb + 2pr + 1 at dims 8dg .. + 7 for the lane's units u = lane + MMA i
+    (pr = u % 8, dg = u // 8) into vv[8i .. 8i+3] and vv[8i+4 .. 8i+7]."""
+    z = np.uint32(0)
+    k0 = np.int64(-1)
+    k1 = np.int64(-1)
+    if pb + g < p_end:
+        k0 = kv_base(bt, mb, slot, pb + g, bs, layer_off, rowlen, kvh, hd)
+    if pb + 8 + g < p_end:
+        k1 = kv_base(bt, mb, slot, pb + 8 + g, bs, layer_off, rowlen, kvh, hd)
+    for c in range(MMA_HD // 32):
+        d = c * 32 + 8 * t
+        w0 = w1 = w2 = w3 = u0 = u1 = u2 = u3 = z
+        if c < nch and d < hd:
+            if k0 >= 0:
+                w0, w1, w2, w3 = ld_words(kc, k0 + d)
+            if k1 >= 0:
+                u0, u1, u2, u3 = ld_words(kc, k1 + d)
+        kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3] = w0, w1, w2, w3
+        kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7] = u0, u1, u2, u3
+    for i in range(ATT_VU):
+        u = lane + MMA * i
+        dg = u // 8
+        pr = u - dg * 8
+        x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = z
+        if u < nj * 8:
+            if pb + 2 * pr < p_end:
+                va = kv_base(bt, mb, slot, pb + 2 * pr, bs, layer_off, rowlen, kvh, hd)
+                if va >= 0:
+                    x0, x1, x2, x3 = ld_words(vc, va + 8 * dg)
+            if pb + 2 * pr + 1 < p_end:
+                vb = kv_base(bt, mb, slot, pb + 2 * pr + 1, bs, layer_off, rowlen, kvh, hd)
+                if vb >= 0:
+                    y0, y1, y2, y3 = ld_words(vc, vb + 8 * dg)
+        vv[8 * i], vv[8 * i + 1], vv[8 * i + 2], vv[8 * i + 3] = x0, x1, x2, x3
+        vv[8 * i + 4], vv[8 * i + 5], vv[8 * i + 6], vv[8 * i + 7] = y0, y1, y2, y3
+
+
 @cuda.jit(cache=True)
 def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
                scale, split, out, out_stride, part, counters, maxs):
@@ -1623,30 +1667,25 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
         acc[i] = np.float32(0.0)
     nj = hd // 8
     vw = w * MMA_HD * VT_STRIDE
-    for pb in range(p_begin + 16 * w, p_end, 64):
-        k0 = np.int64(-1)
-        k1 = np.int64(-1)
-        if pb + g < p_end:
-            k0 = kv_base(bt, mb, slot, pb + g, bs, layer_off, rowlen, kvh, hd)
-        if pb + 8 + g < p_end:
-            k1 = kv_base(bt, mb, slot, pb + 8 + g, bs, layer_off, rowlen, kvh, hd)
+    # the block's K and V words in registers, the next block's loads issued before this one's mmas
+    kw = cuda.local.array(ATT_KW, nb_u32)
+    vv = cuda.local.array(ATT_VW, nb_u32)
+    pb = p_begin + 16 * w
+    att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
+    while pb < p_end:
+        kn = cuda.local.array(ATT_KW, nb_u32)
+        vn = cuda.local.array(ATT_VW, nb_u32)
+        att_load(kn, vn, kc, vc, bt, mb, slot, pb + 64, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for c in range(MMA_HD // 32):
             if c < nch:
-                d = c * 32 + 8 * t
-                ok = d < hd
-                dd = d if ok else 0
-                z = np.uint32(0)
-                w0 = w1 = w2 = w3 = u0 = u1 = u2 = u3 = z
-                if ok and k0 >= 0:
-                    w0, w1, w2, w3 = ld_words(kc, k0 + dd)
-                if ok and k1 >= 0:
-                    u0, u1, u2, u3 = ld_words(kc, k1 + dd)
                 o = c * 16 * MMA + lane
                 h0, h1, h2, h3 = qw[o], qw[o + MMA], qw[o + 2 * MMA], qw[o + 3 * MMA]
                 h4, h5, h6, h7 = qw[o + 4 * MMA], qw[o + 5 * MMA], qw[o + 6 * MMA], qw[o + 7 * MMA]
                 e0, e1, e2, e3 = qw[o + 8 * MMA], qw[o + 9 * MMA], qw[o + 10 * MMA], qw[o + 11 * MMA]
                 e4, e5, e6, e7 = qw[o + 12 * MMA], qw[o + 13 * MMA], qw[o + 14 * MMA], qw[o + 15 * MMA]
+                w0, w1, w2, w3 = kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3]
+                u0, u1, u2, u3 = kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7]
                 s0, s1, s2, s3 = mma_bf16(h0, h1, h2, h3, w0, w1, s0, s1, s2, s3)
                 s0, s1, s2, s3 = mma_bf16(e0, e1, e2, e3, w0, w1, s0, s1, s2, s3)
                 s0, s1, s2, s3 = mma_bf16(h4, h5, h6, h7, w2, w3, s0, s1, s2, s3)
@@ -1678,27 +1717,18 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
         pb0, qb0 = split_bf16(s2, s3)
         pa1, qa1 = split_bf16(s4, s5)
         pb1, qb1 = split_bf16(s6, s7)
-        # V of the 16 positions into this warp's V^T: unit (pair pr, dims 8dg ..) -> 8 words
+        # V of the 16 positions into this warp's V^T: unit u = lane + MMA i (pair pr, dims 8dg ..)
         mma_sync()
-        for u in range(lane, nj * 8, MMA):
-            dg = u // 8
-            pr = u - dg * 8
-            va = np.int64(-1)
-            vb = np.int64(-1)
-            if pb + 2 * pr < p_end:
-                va = kv_base(bt, mb, slot, pb + 2 * pr, bs, layer_off, rowlen, kvh, hd)
-            if pb + 2 * pr + 1 < p_end:
-                vb = kv_base(bt, mb, slot, pb + 2 * pr + 1, bs, layer_off, rowlen, kvh, hd)
-            z = np.uint32(0)
-            x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = z
-            if va >= 0:
-                x0, x1, x2, x3 = ld_words(vc, va + 8 * dg)
-            if vb >= 0:
-                y0, y1, y2, y3 = ld_words(vc, vb + 8 * dg)
-            o = vw + 8 * dg * VT_STRIDE + pr
-            for j, (x, y) in enumerate(((x0, y0), (x1, y1), (x2, y2), (x3, y3))):
-                vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
-                vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
+        for i in range(ATT_VU):
+            u = lane + MMA * i
+            if u < nj * 8:
+                dg = u // 8
+                o = vw + 8 * dg * VT_STRIDE + u - dg * 8
+                for j in range(4):
+                    x = vv[8 * i + j]
+                    y = vv[8 * i + 4 + j]
+                    vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
+                    vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
         mma_sync()
         for j in range(MMA_HD // 8):
             if j < nj:
@@ -1712,6 +1742,11 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
                 c0, c1, c2, c3 = mma_bf16(pa0, pb0, pa1, pb1, b0, b1, c0, c1, c2, c3)
                 acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = \
                     mma_bf16(qa0, qb0, qa1, qb1, b0, b1, c0, c1, c2, c3)
+        for i in range(ATT_KW):
+            kw[i] = kn[i]
+        for i in range(ATT_VW):
+            vv[i] = vn[i]
+        pb += 64
     # the warps' states into shared: max and sum at [w * MQ + q] and [4 MQ + w * MQ + q], acc after
     ao = 8 * MQ
     if t == 0:
