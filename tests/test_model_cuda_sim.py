@@ -13,9 +13,10 @@ logits are bit-identical alone (a decode step alone replays a captured graph, an
 runs RoPE in the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in
 k_rope_kv), and a prompt's last row is bit-identical
 whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
-the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_tiles), decode rows and
-earlier prompt rows one at a time (k_attn_rows); tiles split every 8 positions under the simulator,
-so contexts past 8 merge splits.
+the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for the bf16
+models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time (k_attn_rows);
+tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In the bf16
+models prompt rows run their matrices in k_gemm, decode rows in the GEMVs.
 """
 from __future__ import annotations
 

@@ -24,9 +24,9 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
 gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
 in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm) and decode rows the
-GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, k_attn_tiles):
-decode rows and prompt rows before position attn_tile_from attend one row at a time, later prompt rows
-in tiles of a chunk's rows.
+GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, and for tiles
+k_attn_mma on bf16 pools, k_attn_tiles otherwise): decode rows and prompt rows before position
+attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
 """
 from __future__ import annotations
 
