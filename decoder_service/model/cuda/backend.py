@@ -39,7 +39,7 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM,
+from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM,
                       TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
@@ -146,7 +146,7 @@ class CudaBackend:
         self.rows_per_tile = (MQ if self.mma_attn else QB) // (nh // nkv)   # rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
         if self.rows_per_tile < 1:
-            raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {QB}")
+            raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {MQ if self.mma_attn else QB}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
@@ -344,7 +344,7 @@ class CudaBackend:
         eps = float(cfg.rms_norm_eps)
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
-        attn_tiles = (k["k_attn_mma"], 4 * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
+        attn_tiles = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
             else (k["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
                               [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")

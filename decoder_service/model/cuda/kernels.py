@@ -56,7 +56,8 @@ MMA_HD = 64                   # k_attn_mma: largest head_dim (registers and shar
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_QW = MQ * MMA_HD          # k_attn_mma: q as mma words (bf16 hi + lo pairs)
-ATT_VT = 4 * MMA_HD * VT_STRIDE   # k_attn_mma: the four warps' V^T
+ATT_WARPS = 4                 # k_attn_mma: warps per block, each every ATT_WARPS-th 16-position block
+ATT_VT = ATT_WARPS * MMA_HD * VT_STRIDE   # k_attn_mma: the warps' V^T
 ATT_ACC = MMA_HD // 2         # k_attn_mma: a lane's output accumulators (4 per 8-dim tile)
 ATT_KW = MMA_HD // 4          # k_attn_mma: a lane's K words of a 16-position block (2 n8 tiles x 4 a chunk)
 ATT_VU = MMA_HD // MMA        # k_attn_mma: a lane's V units (8 dims of a position pair) of a block
@@ -1599,7 +1600,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     """k_attn_tiles on the tensor cores (bf16 pool): the same grid, tiles, splits and split merge, for
     MQ queries a tile (MQ // group rows x the KV head's query heads).
 
-    Each of the block's four warps takes every fourth 16-position block of the split and keeps its own
+    Each of the block's ATT_WARPS warps takes every ATT_WARPS-th 16-position block of the split with its own
     online softmax: S = q K^T by mma (q scaled, as bf16 hi + lo from shared memory; K straight from the
     pool, lane (g, t) reading dims 8t .. 8t+7 of position g of each n8 tile, the k permutation of
     k_gemm), positions past a query's own masked; per row the block's max and sum are quad trees
@@ -1609,7 +1610,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     partial goes where k_attn_tiles puts it and merge_splits finishes. A query's arithmetic depends on
     its position and the pool alone (the 16-position blocks and the warp that takes each are fixed by
     absolute position), never on its tile mates, the tile it lands in or the batch.
-    Block: 4 * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs)."""
+    Block: ATT_WARPS * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs)."""
     qw = cuda.shared.array(ATT_QW, nb_u32)
     vt = cuda.shared.array(ATT_VT, nb_u32)
     sh = cuda.shared.array(0, nb_f32)
@@ -1676,7 +1677,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     while pb < p_end:
         kn = cuda.local.array(ATT_KW, nb_u32)
         vn = cuda.local.array(ATT_VW, nb_u32)
-        att_load(kn, vn, kc, vc, bt, mb, slot, pb + 64, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
+        att_load(kn, vn, kc, vc, bt, mb, slot, pb + 16 * ATT_WARPS, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
         s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
         for c in range(MMA_HD // 32):
             if c < nch:
@@ -1747,14 +1748,14 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
             kw[i] = kn[i]
         for i in range(ATT_VW):
             vv[i] = vn[i]
-        pb += 64
-    # the warps' states into shared: max and sum at [w * MQ + q] and [4 MQ + w * MQ + q], acc after
-    ao = 8 * MQ
+        pb += 16 * ATT_WARPS
+    # the warps' states into shared: max and sum at [w * MQ + q] and [ATT_WARPS MQ + w * MQ + q], acc after
+    ao = 2 * ATT_WARPS * MQ
     if t == 0:
         sh[w * MQ + qa] = m_a
         sh[w * MQ + qb] = m_b
-        sh[4 * MQ + w * MQ + qa] = l_a
-        sh[4 * MQ + w * MQ + qb] = l_b
+        sh[ATT_WARPS * MQ + w * MQ + qa] = l_a
+        sh[ATT_WARPS * MQ + w * MQ + qb] = l_b
     for j in range(MMA_HD // 8):
         if j < nj:
             d = 8 * j + 2 * t
@@ -1772,7 +1773,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     n_q = positions[row] + 1 if active else 0
     big = ninf
     if qi < MQ:
-        for u in range(GEMM_WARPS):
+        for u in range(ATT_WARPS):
             big = max(big, sh[u * MQ + qi])
     l = np.float32(0.0)
     ob = np.int64(row) * out_stride + h * hd
@@ -1780,13 +1781,13 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     rb = (np.int64(row) * nkv * group + h) * maxs * stride
     pbase = rb + sp * stride
     if active and p_begin < n_q:
-        for u in range(GEMM_WARPS):
+        for u in range(ATT_WARPS):
             mu = sh[u * MQ + qi]
             if mu > ninf:
-                l += sh[4 * MQ + u * MQ + qi] * math.exp(mu - big)
+                l += sh[ATT_WARPS * MQ + u * MQ + qi] * math.exp(mu - big)
         for d in range(sub, hd, TQ):
             x = np.float32(0.0)
-            for u in range(GEMM_WARPS):
+            for u in range(ATT_WARPS):
                 mu = sh[u * MQ + qi]
                 if mu > ninf:
                     x += sh[ao + (u * MQ + qi) * hd + d] * math.exp(mu - big)
@@ -1806,7 +1807,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
 
 def attn_mma_shared_floats(hd: int, maxs: int) -> int:
     """k_attn_mma's dynamic shared memory in floats: the warps' (max, sum, acc), then merge_splits'."""
-    return max(8 * MQ + 4 * MQ * hd, MQ * maxs + MQ)
+    return max(2 * ATT_WARPS * MQ + ATT_WARPS * MQ * hd, MQ * maxs + MQ)
 
 
 def attn_shared_floats(hd: int, maxs: int) -> int:
