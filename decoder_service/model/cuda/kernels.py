@@ -138,6 +138,7 @@ if SIM:  # ------------------------------------------------------------------ si
         _exchange((0.0,), MMA)
 
     def quad_max(v):
+        """Max over the 4 lanes of an mma lane quad."""
         vals, lane = _exchange((v,), 4)
         return np.float32(vals[:, 0].max())
 
@@ -427,6 +428,7 @@ else:  # -----------------------------------------------------------------------
 
     @cuda.jit(device=True, inline="always")
     def quad_max(v):
+        """Max over the 4 lanes of an mma lane quad."""
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         return v
@@ -986,6 +988,18 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
 
 
 @cuda.jit(device=True, inline="always")
+def mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7, w0, w1, w2, w3, c0, c1, c2, c3):
+    """C + A B over one 32-wide K chunk, in the k permutation of k_gemm and k_attn_mma: lane (g, t)
+    holds k = 8t .. 8t+7 of A's rows g, g+8 as bf16 hi words h0..h7 and lo words l0..l7 (fragment
+    order: rows g, g+8 at k 8t, 8t+1, then at 8t+2, 8t+3; then the same at 8t+4 .. 8t+7) and of B's
+    column g as w0..w3. Four mmas: hi then lo of the chunk's first half, then of its second."""
+    c0, c1, c2, c3 = mma_bf16(h0, h1, h2, h3, w0, w1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma_bf16(l0, l1, l2, l3, w0, w1, c0, c1, c2, c3)
+    c0, c1, c2, c3 = mma_bf16(h4, h5, h6, h7, w2, w3, c0, c1, c2, c3)
+    return mma_bf16(l4, l5, l6, l7, w2, w3, c0, c1, c2, c3)
+
+
+@cuda.jit(device=True, inline="always")
 def gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c):
     """k_gemm's operands of the 32-wide K chunk at c for lane (g, t): x rows (offsets xa, xb) and gamma
     at k = c + 8t .. + 7 into cx[0:8], cx[8:16], cx[16:24]; the four n8 tiles' weight row g there into
@@ -1066,11 +1080,10 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         hb2, lb2 = split_bf16(b4, b5)
         hb3, lb3 = split_bf16(b6, b7)
         for j in range(GEMM_NT):
-            w0, w1, w2, w3 = cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3]
-            d0, d1, d2, d3 = mma_bf16(ha0, hb0, ha1, hb1, w0, w1, acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3])
-            d0, d1, d2, d3 = mma_bf16(la0, lb0, la1, lb1, w0, w1, d0, d1, d2, d3)
-            d0, d1, d2, d3 = mma_bf16(ha2, hb2, ha3, hb3, w2, w3, d0, d1, d2, d3)
-            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_bf16(la2, lb2, la3, lb3, w2, w3, d0, d1, d2, d3)
+            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_chunk(
+                ha0, hb0, ha1, hb1, ha2, hb2, ha3, hb3, la0, lb0, la1, lb1, la2, lb2, la3, lb3,
+                cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3], acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+                acc[4 * j + 3])
         for i in range(24):
             cx[i] = nx[i]
         for i in range(GEMM_ACC):
@@ -1686,16 +1699,10 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
                 h4, h5, h6, h7 = qw[o + 4 * MMA], qw[o + 5 * MMA], qw[o + 6 * MMA], qw[o + 7 * MMA]
                 e0, e1, e2, e3 = qw[o + 8 * MMA], qw[o + 9 * MMA], qw[o + 10 * MMA], qw[o + 11 * MMA]
                 e4, e5, e6, e7 = qw[o + 12 * MMA], qw[o + 13 * MMA], qw[o + 14 * MMA], qw[o + 15 * MMA]
-                w0, w1, w2, w3 = kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3]
-                u0, u1, u2, u3 = kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7]
-                s0, s1, s2, s3 = mma_bf16(h0, h1, h2, h3, w0, w1, s0, s1, s2, s3)
-                s0, s1, s2, s3 = mma_bf16(e0, e1, e2, e3, w0, w1, s0, s1, s2, s3)
-                s0, s1, s2, s3 = mma_bf16(h4, h5, h6, h7, w2, w3, s0, s1, s2, s3)
-                s0, s1, s2, s3 = mma_bf16(e4, e5, e6, e7, w2, w3, s0, s1, s2, s3)
-                s4, s5, s6, s7 = mma_bf16(h0, h1, h2, h3, u0, u1, s4, s5, s6, s7)
-                s4, s5, s6, s7 = mma_bf16(e0, e1, e2, e3, u0, u1, s4, s5, s6, s7)
-                s4, s5, s6, s7 = mma_bf16(h4, h5, h6, h7, u2, u3, s4, s5, s6, s7)
-                s4, s5, s6, s7 = mma_bf16(e4, e5, e6, e7, u2, u3, s4, s5, s6, s7)
+                s0, s1, s2, s3 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
+                                           kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3], s0, s1, s2, s3)
+                s4, s5, s6, s7 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
+                                           kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7], s4, s5, s6, s7)
         # lane (g, t): s0, s1 / s2, s3 = rows g / g+8 at positions pb + 2t, + 1; s4 .. s7 at pb + 8 + 2t, + 1
         p0 = pb + 2 * t
         p1 = p0 + 8
