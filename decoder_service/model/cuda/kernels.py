@@ -1308,6 +1308,12 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
 
 
 @cuda.jit(device=True, inline="always")
+def part_base(row, h, nh, maxs, hd):
+    """Where (row, query head h)'s split partials start in `part`: maxs records of (max, sum, acc[hd])."""
+    return (np.int64(row) * nh + h) * maxs * (hd + 2)
+
+
+@cuda.jit(device=True, inline="always")
 def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
                  maxs, tile, ns, qi, sub, active, n_q, rb, tid, T):
     """The end of a prompt-attention block (128 threads: TQ lanes per query qi) whose split partials
@@ -1347,7 +1353,7 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
         rq = r0 + qq // group
         hq = kvh * group + qq % group
         nk = (positions[rq] + split) // split    # = ceil((position + 1) / split), as nsq
-        src = (np.int64(rq) * nkv * group + hq) * maxs * stride + 2 + d
+        src = part_base(rq, hq, nkv * group, maxs, hd) + 2 + d
         wq = wo + qq * maxs
         o = ld_l2(part, src) * sh[np.uint64(wq)]
         k = 1
@@ -1545,7 +1551,7 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
                 out[ob + d] = sh[np.uint64(arow + d)] / l
         return
     stride = hd + 2
-    rb = (np.int64(row) * nkv * group + h) * maxs * stride
+    rb = part_base(row, h, nkv * group, maxs, hd)
     if active and p_begin < n_q:
         pb = rb + sp * stride
         if sub == 0:
@@ -1784,9 +1790,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
             big = max(big, sh[u * MQ + qi])
     l = np.float32(0.0)
     ob = np.int64(row) * out_stride + h * hd
-    stride = hd + 2
-    rb = (np.int64(row) * nkv * group + h) * maxs * stride
-    pbase = rb + sp * stride
+    rb = part_base(row, h, nkv * group, maxs, hd)
+    pbase = rb + sp * (hd + 2)
     if active and p_begin < n_q:
         for u in range(ATT_WARPS):
             mu = sh[u * MQ + qi]
