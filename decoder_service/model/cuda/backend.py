@@ -151,8 +151,7 @@ class CudaBackend:
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
         # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 4 (perf log m2)
-        default = max(MMA_SPLIT, limit) if self.mma_attn and not SIM else max(TP, limit)
-        self.attn_split = default if attn_split is None else int(attn_split)
+        self.attn_split = max(MMA_SPLIT if self.mma_attn else TP, limit) if attn_split is None else int(attn_split)
         if self.attn_split % TP or self.attn_split < TP:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
                              f"of {TP}")

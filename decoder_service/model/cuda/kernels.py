@@ -1793,16 +1793,18 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     rb = part_base(row, h, nkv * group, maxs, hd)
     pbase = rb + sp * (hd + 2)
     if active and p_begin < n_q:
+        wt = cuda.local.array(ATT_WARPS, nb_f32)     # each warp's weight exp(m_w - big), once
         for u in range(ATT_WARPS):
             mu = sh[u * MQ + qi]
+            wt[u] = np.float32(0.0)
             if mu > ninf:
-                l += sh[ATT_WARPS * MQ + u * MQ + qi] * math.exp(mu - big)
+                wt[u] = math.exp(mu - big)
+                l += sh[ATT_WARPS * MQ + u * MQ + qi] * wt[u]
         for d in range(sub, hd, TQ):
             x = np.float32(0.0)
             for u in range(ATT_WARPS):
-                mu = sh[u * MQ + qi]
-                if mu > ninf:
-                    x += sh[ao + (u * MQ + qi) * hd + d] * math.exp(mu - big)
+                if sh[u * MQ + qi] > ninf:
+                    x += sh[ao + (u * MQ + qi) * hd + d] * wt[u]
             if ns == 1:
                 out[ob + d] = x / l
             else:
