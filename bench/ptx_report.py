@@ -1,0 +1,93 @@
+"""The compiler's view of kernels, without a GPU: registers, spills and shared memory from ptxas for
+sm_90, and whether a kernel's PTX is that of another checkout.
+
+    python3 bench/ptx_report.py k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16]
+
+numba compiles each kernel's Python source to PTX (`cuda.compile_ptx`, which needs NVRTC: the
+`nvidia-cuda-nvrtc` wheel or a CUDA toolkit) and `ptxas -arch=sm_90 -v` (from a CUDA toolkit, found
+on PATH or under /usr/local/cuda*/bin) reports its resources. Kernels compile without their register
+caps here (a cap is a launch-time JIT option). With --against, the same kernels are compiled from the
+other checkout and compared: "identical" (the same PTX, names aside), "same instructions" (the same
+instructions in another order or with other register numbers), or "different". The perf log's "PTX
+unchanged" claims come from this.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def compile_ptx(tree: Path, names: list[str], storage: str) -> dict:
+    """{kernel: PTX} compiled from the kernels module of checkout `tree` (in a child process, so that
+    two checkouts' modules never meet)."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from numba import cuda; "
+            "import decoder_service.model.cuda.kernels as K; "
+            "print(json.dumps({n: cuda.compile_ptx(K.KERNELS[n].py_func, K.signatures(sys.argv[2])[n], "
+            "cc=(9, 0))[0] for n in sys.argv[3:]}))")
+    out = subprocess.run([sys.executable, "-c", code, str(tree), storage, *names], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def ptxas() -> str:
+    found = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
+    if not found:
+        raise SystemExit("ptxas not found: install a CUDA toolkit or put ptxas on PATH")
+    return found
+
+
+def resources(ptx: str) -> str:
+    """ptxas -v's registers / spill / shared-memory lines for one kernel's PTX."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        err = subprocess.run([ptxas(), "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
+                             text=True, check=True).stderr
+    keep = [ln.split("info    : ")[-1].strip() for ln in err.splitlines() if "registers" in ln or "spill" in ln]
+    return "; ".join(keep)
+
+
+def _body(ptx: str) -> list[str]:
+    """The PTX without comments and with mangled names and shared-array numbers abstracted."""
+    out = []
+    for ln in ptx.splitlines():
+        if ln.startswith("//"):
+            continue
+        out.append(re.sub(r"_cudapy_smem_\d+", "SMEM", re.sub(r"_ZN[0-9A-Za-z_]+", "NAME", ln)))
+    return out
+
+
+def compare(a: str, b: str) -> str:
+    ba, bb = _body(a), _body(b)
+    if ba == bb:
+        return "identical"
+    regs = lambda lines: sorted(re.sub(r"%(rd|r|f|fd|p|rs|h)\d+", "R", ln) for ln in lines)  # noqa: E731
+    return "same instructions" if regs(ba) == regs(bb) else "different"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("kernels", nargs="+")
+    ap.add_argument("--against", type=Path, help="another checkout to compare the PTX with")
+    ap.add_argument("--storage", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    args = ap.parse_args()
+    here = compile_ptx(ROOT, args.kernels, args.storage)
+    there = compile_ptx(args.against.resolve(), args.kernels, args.storage) if args.against else {}
+    for name in args.kernels:
+        line = f"{name}: {resources(here[name])}"
+        if there:
+            line += f" | against {args.against}: {compare(there[name], here[name])}"
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
