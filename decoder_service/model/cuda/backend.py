@@ -250,10 +250,10 @@ class CudaBackend:
         self._threads = {threading.get_ident()}
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
-        self.kernels = {name: Kernel(name, self.storage) for name in
-                        ("k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_attn_tiles",
-                         "k_final_norm", "k_sparse", "k_rope_table") + (("k_gemm",) if self.gemm else ())
-                        + (("k_attn_mma",) if self.mma_attn else ())}
+        # (only those this model launches: the prompt tiles' kernel is k_attn_mma or k_attn_tiles)
+        names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
+                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
+        self.kernels = {name: Kernel(name, self.storage) for name in names}
         # RoPE's cos and sin for every position within the attention's reach, computed once
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
         Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
