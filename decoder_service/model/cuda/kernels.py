@@ -142,6 +142,19 @@ if SIM:  # ------------------------------------------------------------------ si
         vals, lane = _exchange((v,), 4)
         return np.float32(vals[:, 0].max())
 
+    def pdl_capable() -> bool:
+        """The simulator runs launches one after another: no programmatic dependent launch."""
+        return False
+
+    def pdl_enter():
+        """No-op in the simulator."""
+
+    def lane_take(v, src):
+        """Lane `src`'s integer v, for every lane of the mma warp (exact below 2**53: the exchange is
+        float64)."""
+        vals, lane = _exchange((float(v),), MMA)
+        return np.int64(vals[src, 0])
+
     def ld_words(arr, i):
         """8 bf16 from arr[i] as 4 raw 32-bit words, element i in the low half of the first."""
         return tuple(np.uint32(int(arr[i + 2 * j]) | int(arr[i + 2 * j + 1]) << 16) for j in range(4))
@@ -432,6 +445,37 @@ else:  # -----------------------------------------------------------------------
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 1))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         return v
+
+    def pdl_capable() -> bool:
+        """Whether the GPU has programmatic dependent launch (sm_90 on); without one (offline PTX
+        for the H200, bench/ptx_report.py), yes."""
+        try:
+            return cuda.get_current_device().compute_capability >= (9, 0)
+        except Exception:
+            return True
+
+    @intrinsic
+    def pdl_enter(typingctx):
+        """The first statement of every model kernel (programmatic dependent launch, sm_90): wait until
+        the kernel before it in the stream has finished and its writes are visible, then let the next
+        kernel's blocks be scheduled, so that its launch overlaps this kernel's run instead of following
+        it. A kernel launched without the PDL attribute passes straight through."""
+        sig = nbt.void()
+
+        def codegen(context, builder, sig, args):
+            if pdl_capable():
+                asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), []),
+                                   "griddepcontrol.wait;\n\tgriddepcontrol.launch_dependents;", "~{memory}",
+                                   side_effect=True)
+                builder.call(asm, [])
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @cuda.jit(device=True, inline="always")
+    def lane_take(v, src):
+        """Lane `src`'s integer v, for every lane of the mma warp (shfl.sync.idx)."""
+        return cuda.shfl_sync(0xFFFFFFFF, v, src)
 
     @cuda.jit(device=True, inline="always")
     def lanes_sum(v):
@@ -786,6 +830,7 @@ def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
 @cuda.jit(cache=True)
 def k_embed(tokens, E, Q, x, x_stride):
     """x[r, :8Q] = E[tokens[r], :8Q] (rows padded with zeros; widened to float32). Grid (R,)."""
+    pdl_enter()
     r = cuda.blockIdx.x
     base = np.int64(tokens[r]) * (Q * 8)
     xb = np.int64(r) * x_stride
@@ -806,6 +851,7 @@ def k_embed(tokens, E, Q, x, x_stride):
 def k_rope_table(inv_freq, half, n, cs):
     """cs[2j], cs[2j + 1] = cos, sin of p * inv_freq[i] for j = p * half + i, positions p < n: RoPE's
     rotations, computed once (angles in float64, rounded to float32). Grid: n * half threads."""
+    pdl_enter()
     j = cuda.grid(1)
     if j < n * half:
         p = j // half
@@ -886,6 +932,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     the KV write (rope_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
+    pdl_enter()
     xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     tid = cuda.threadIdx.x
@@ -958,6 +1005,7 @@ def k_gemv_tile(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N,
     """k_gemv for TILE_ROWS input rows per blockIdx.y (rows from TILE_ROWS * y; a last partial tile
     stores only rows below R): each weight chunk is read once for the tile's rows. Per output element
     the same arithmetic as k_gemv. Dynamic shared memory: TILE_ROWS * 8Q floats."""
+    pdl_enter()
     xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(TILE_RED, nb_f32)
     acc = cuda.local.array(TILE_ACC, nb_f32)
@@ -1037,6 +1085,7 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
     a row's bits are its own (checked by bench/gemm_check.py on the device).
     Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
+    pdl_enter()
     part = cuda.shared.array(GEMM_PART, nb_f32)
     ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
     acc = cuda.local.array(GEMM_ACC, nb_f32)
@@ -1127,6 +1176,7 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
     """Per (row, head): optional per-head RMSNorm (Qwen3), RoPE (rotate_half pairs (i, i + hd/2),
     rotations from k_rope_table's cs), q written back in place, k and v written to the paged pool.
     Grid (R, nh+nkv)."""
+    pdl_enter()
     red = cuda.shared.array(32, nb_f32)
     r = cuda.blockIdx.x
     hh = cuda.blockIdx.y
@@ -1192,6 +1242,7 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     so whichever block that is, the arithmetic is the same. Dynamic shared: hd + 9T floats.
     Grid (R, nh, max splits over the batch); blocks beyond their row's ns return at once.
     """
+    pdl_enter()
     sh = cuda.shared.array(0, nb_f32)
     base_s = cuda.shared.array(MAX_TILE, nb_i64)
     red = cuda.shared.array(32, nb_f32)
@@ -1397,6 +1448,7 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     Dynamic shared: attn_shared_floats(hd, maxs). Grid (tiles, nkv, splits of the longest context);
     blocks past their tile's splits return at once.
     """
+    pdl_enter()
     sh = cuda.shared.array(0, nb_f32)
     base_s = cuda.shared.array(TP, nb_i64)
     flag = cuda.shared.array(1, nb_i32)
@@ -1576,15 +1628,20 @@ def softmax_step(m, mn, a, b, c, d):
 def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane):
     """k_attn_mma's pool words for the 16-position block at pb (zeros past p_end or hd): K of positions
     pb + g and pb + 8 + g at dims 32c + 8t .. + 7 into kw[8c .. 8c+3] and kw[8c+4 .. 8c+7]; V of
-    positions pb + 2pr and pb + 2pr + 1 at dims 8dg .. + 7 for the lane's units u = lane + MMA i
-    (pr = u % 8, dg = u // 8) into vv[8i .. 8i+3] and vv[8i+4 .. 8i+7]."""
+    positions pb + 2pr and pb + 2pr + 1 (pr = lane % 8) at dims 8dg .. + 7 for the lane's units
+    u = lane + MMA i (dg = u // 8) into vv[8i .. 8i+3] and vv[8i+4 .. 8i+7].
+    Lane L looks up the pool offset of position pb + L % 16 (-1 past p_end or without a block) and
+    the lanes take the offsets they read from each other: one block-table lookup a lane, not six.
+    Called by all 32 lanes of the warp (pb is the same in all)."""
     z = np.uint32(0)
-    k0 = np.int64(-1)
-    k1 = np.int64(-1)
-    if pb + g < p_end:
-        k0 = kv_base(bt, mb, slot, pb + g, bs, layer_off, rowlen, kvh, hd)
-    if pb + 8 + g < p_end:
-        k1 = kv_base(bt, mb, slot, pb + 8 + g, bs, layer_off, rowlen, kvh, hd)
+    p = pb + lane % 16
+    mine = np.int64(-1)
+    if p < p_end:
+        mine = kv_base(bt, mb, slot, p, bs, layer_off, rowlen, kvh, hd)
+    k0 = lane_take(mine, g)
+    k1 = lane_take(mine, g + 8)
+    va = lane_take(mine, 2 * (lane % 8))
+    vb = lane_take(mine, 2 * (lane % 8) + 1)
     for c in range(MMA_HD // 32):
         d = c * 32 + 8 * t
         w0 = w1 = w2 = w3 = u0 = u1 = u2 = u3 = z
@@ -1598,17 +1655,12 @@ def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh
     for i in range(ATT_VU):
         u = lane + MMA * i
         dg = u // 8
-        pr = u - dg * 8
         x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = z
         if u < nj * 8:
-            if pb + 2 * pr < p_end:
-                va = kv_base(bt, mb, slot, pb + 2 * pr, bs, layer_off, rowlen, kvh, hd)
-                if va >= 0:
-                    x0, x1, x2, x3 = ld_words(vc, va + 8 * dg)
-            if pb + 2 * pr + 1 < p_end:
-                vb = kv_base(bt, mb, slot, pb + 2 * pr + 1, bs, layer_off, rowlen, kvh, hd)
-                if vb >= 0:
-                    y0, y1, y2, y3 = ld_words(vc, vb + 8 * dg)
+            if va >= 0:
+                x0, x1, x2, x3 = ld_words(vc, va + 8 * dg)
+            if vb >= 0:
+                y0, y1, y2, y3 = ld_words(vc, vb + 8 * dg)
         vv[8 * i], vv[8 * i + 1], vv[8 * i + 2], vv[8 * i + 3] = x0, x1, x2, x3
         vv[8 * i + 4], vv[8 * i + 5], vv[8 * i + 6], vv[8 * i + 7] = y0, y1, y2, y3
 
@@ -1630,6 +1682,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     its position and the pool alone (the 16-position blocks and the warp that takes each are fixed by
     absolute position), never on its tile mates, the tile it lands in or the batch.
     Block: ATT_WARPS * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs)."""
+    pdl_enter()
     qw = cuda.shared.array(ATT_QW, nb_u32)
     vt = cuda.shared.array(ATT_VT, nb_u32)
     sh = cuda.shared.array(0, nb_f32)
@@ -1835,6 +1888,7 @@ def attn_shared_floats(hd: int, maxs: int) -> int:
 def k_final_norm(x, x_stride, rows, gamma, eps, K, Q, out, out_stride):
     """out[i] = RMSNorm(x[rows[i]]) * gamma: the final-normed hidden state of the logit rows
     (the same staging and tree as the fused norms; padding columns stay zero)."""
+    pdl_enter()
     xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     i = cuda.blockIdx.x
@@ -1854,6 +1908,7 @@ def k_sparse(h, h_stride, W, Q, V, cand, ncand, cmax, out, pf, epl):
     The same staging and the same dot2 as the dense head, so a candidate's logit is bit-identical to
     the dense head's. Ids outside [0, V) give NaN (the caller fails loudly). Grid (tiles, N).
     """
+    pdl_enter()
     xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     i = cuda.blockIdx.y

@@ -14,11 +14,12 @@ only), copies are numpy copies, and a ``Graph`` re-runs the captured Python func
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
 from . import compat  # noqa: F401
-from .kernels import KERNELS, SIM, signatures
+from .kernels import KERNELS, SIM, pdl_capable, signatures
 
 from numba import cuda  # noqa: E402
 
@@ -29,6 +30,12 @@ if not SIM:
 else:  # pragma: no cover - names only used on a real device
     drv = None
     _OK = None
+
+
+# Programmatic dependent launch (perf log p1): model kernels (KERNELS, each starting with pdl_enter)
+# launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
+# launches them plainly (for A/B measurements); the bits are the same either way.
+PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
 
 class CudaError(RuntimeError):
@@ -124,7 +131,7 @@ class Kernel:
 class Launch:
     """One kernel with its arguments packed once; ``launch(gx, gy)`` enqueues it on the stream."""
 
-    __slots__ = ("kernel", "block", "shmem", "args", "stream", "_vals", "_ptrs", "_addr", "name")
+    __slots__ = ("kernel", "block", "shmem", "args", "stream", "_vals", "_ptrs", "_addr", "name", "_config")
 
     def __init__(self, kernel: Kernel, block: int, shmem: int, args: list, stream, name: str = ""):
         if len(args) != len(kernel.argtypes):
@@ -154,21 +161,43 @@ class Launch:
                 else:
                     vals.append(ct(a))
         if SIM:
-            self._vals = self._ptrs = self._addr = None
+            self._vals = self._ptrs = self._addr = self._config = None
             return
         self._vals = vals
         self._ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         self._addr = ctypes.addressof(self._ptrs)
+        pdl = PDL and kernel.name in KERNELS and pdl_capable()
+        self._config = _pdl_config(self.block, self.shmem, stream) if pdl else None
 
     def launch(self, gx: int, gy: int = 1, gz: int = 1) -> None:
         if SIM:
             args = [a.value if isinstance(a, Scalar) else a for a in self.args]
             self.kernel.dispatcher[(gx, gy, gz), self.block, 0, self.shmem](*args)
             return
-        err, = drv.cuLaunchKernel(self.kernel.func, gx, gy, gz, self.block, 1, 1, self.shmem,
-                                  self.stream, self._addr, 0)
+        cfg = self._config
+        if cfg is None:
+            err, = drv.cuLaunchKernel(self.kernel.func, gx, gy, gz, self.block, 1, 1, self.shmem,
+                                      self.stream, self._addr, 0)
+        else:
+            cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
+            err, = drv.cuLaunchKernelEx(cfg, self.kernel.func, self._addr, 0)
         if err != _OK:
             check((err,), f"cuLaunchKernel({self.name}, grid=({gx},{gy},{gz}), block={self.block})")
+
+
+def _pdl_config(block: int, shmem: int, stream):
+    """A cuLaunchKernelEx configuration with the programmatic-stream-serialization attribute (the
+    grid is filled in per launch)."""
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    attr.value.programmaticStreamSerializationAllowed = 1
+    cfg = drv.CUlaunchConfig()
+    cfg.blockDimX, cfg.blockDimY, cfg.blockDimZ = block, 1, 1
+    cfg.sharedMemBytes = shmem
+    cfg.hStream = stream
+    cfg.attrs = [attr]
+    cfg.numAttrs = 1
+    return cfg
 
 
 class Stream:
