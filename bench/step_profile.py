@@ -2,14 +2,16 @@
 
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
     python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
+    python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
 
 One sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R
 sequences each decode one row at position P (the all-at-once shape). For each kind of launch, a graph
 of that launch for every layer is replayed (warm L2, as in a real step) and its median CUDA-event time
 is divided by the layers; the last column is the whole forward pass. Random bf16 weights.
-With --attention-regs / --attention-splits, only attention, compiled under each register cap or with
-each split size, on random K/V, against a float64 attention (perf log b6, a1).
+With --attention-regs / --attention-splits / --row-splits, only attention, compiled under each register
+cap or with each split size (k_attn_rows: each most splits a row), on random K/V, against a float64
+attention (perf log b6, a1, d2).
 """
 from __future__ import annotations
 
@@ -162,13 +164,33 @@ def staged(be, batch: StepBatch, kernel: str, split: int | None = None) -> tuple
     return rows if kernel == "rows" else (tiles[0], tiles[1], -(-ctx // (split or be.attn_split)))
 
 
-def kernel_variants(be, regs_list: list[int], splits: list[int]) -> list:
-    """k_attn_rows for every row, then the prompt tiles' kernel (k_attn_mma or k_attn_tiles) for every
-    row under each register cap (at the backend's split), then under each split size."""
+def row_split_launches(be, maxs: int) -> list:
+    """The layers' k_attn_rows launches with at most `maxs` splits a row (the backend's: ROW_SPLITS)."""
+    from decoder_service.model.cuda.launcher import Launch
+    out = []
+    for layer in be.layers:
+        a = layer["attn_rows"]
+        args = list(a.args)
+        args[-1] = maxs     # k_attn_rows' `maxs` argument
+        out.append(Launch(a.kernel, a.block, a.shmem, args, be.stream.handle, a.name))
+    return out
+
+
+def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: list[int] = ()) -> list:
+    """k_attn_rows for every row (at the backend's ROW_SPLITS, then at each of row_splits), then the
+    prompt tiles' kernel (k_attn_mma or k_attn_tiles) for every row under each register cap (at the
+    backend's split), then under each split size."""
     def grid(split):
         return lambda batch: staged(be, batch, "tiles", split)
+
+    def rows_grid(maxs):
+        def g(batch):
+            r, h, _ = staged(be, batch, "rows")
+            return r, h, min(-(-(int(batch.positions.max()) + 1) // be.t_attn), maxs)
+        return g
     rows = [layer["attn_rows"] for layer in be.layers]
     out = [("k_attn_rows (a block per row, head, split)", rows, lambda batch: staged(be, batch, "rows"))]
+    out += [(f"k_attn_rows, at most {m} splits", row_split_launches(be, m), rows_grid(m)) for m in row_splits]
     for regs in regs_list:
         launches = attention_launches(be, regs)
         k = launches[0].kernel
@@ -188,6 +210,7 @@ def main() -> None:
     p.add_argument("--prefix", default="0,4955")
     p.add_argument("--attention-regs", default="", help="e.g. 0,128,96: time k_attn under these register caps")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
+    p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
     args = p.parse_args()
     from decoder_service.model.cuda.backend import CudaBackend
     cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
@@ -199,10 +222,11 @@ def main() -> None:
     be = CudaBackend(cfg, random_weights(cfg, seed=1), spec, max_rows=max_r, max_logit_rows=max_r,
                      max_table=per_seq * max_r)
     timer = Timer(be)
-    if args.attention_regs or args.attention_splits:
+    if args.attention_regs or args.attention_splits or args.row_splits:
         ints = lambda a: [int(x) for x in a.split(",") if x]  # noqa: E731
         attention_variants(be, timer, per_seq,
-                           kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits)))
+                           kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits),
+                                           ints(args.row_splits)))
         return
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")
