@@ -1,5 +1,6 @@
 """The engine owns the launches: compiled kernels' CUfunction handles, prepacked parameter buffers,
-raw ``cuLaunchKernel``, stream-ordered copies, and CUDA graph capture and replay.
+raw ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the model
+kernels), stream-ordered copies, and CUDA graph capture and replay.
 
 numba is only the compiler here. Its dispatcher converts every argument on every call (GPU_NOTES:
 5 µs per array argument), which costs more than most of these kernels run; a ``Launch`` packs the
