@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
+from bench.workload import data_dir  # noqa: E402
 from compiler_service.compiler import compile_catalog  # noqa: E402
 from decoder_service.model.batch import StepBatch  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
@@ -134,9 +135,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     tok = ModelTokenizer(args.tokenizer)
-    data = ROOT.parent / "shared" / "data"
-    if not data.exists():
-        data = ROOT / ".gpu_data"
+    data = data_dir()
     trie = compile_catalog(parse_registry((data / "metatool" / "catalog.json").read_text()), tok)
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT)]
 
 from bench.gpu_model_check import MODELS, random_weights  # noqa: E402
+from bench.workload import data_dir  # noqa: E402
 from compiler_service.compiler import compile_catalog  # noqa: E402
 from decoder_service.engine.engine import DecodeEngine  # noqa: E402
 from decoder_service.engine.sequence import DoneEvent, FailedEvent  # noqa: E402
@@ -45,9 +46,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=120)
     p.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR))
     args = p.parse_args()
-    data = ROOT.parent / "shared" / "data"
-    if not data.exists():
-        data = ROOT / ".gpu_data"
+    data = data_dir()
     tok = ModelTokenizer(args.tokenizer)
     trie = compile_catalog(parse_registry((data / "metatool" / "catalog.json").read_text()), tok)
     trie.meta.update(name="metatool", version=1)

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from compiler_service.compiler import compile_catalog
+from bench.workload import data_dir
 from decoder_service.engine.engine import DecodeEngine
 from decoder_service.engine.sequence import DoneEvent, FailedEvent
 from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
@@ -26,7 +27,6 @@ from shared.catalog import Catalog, parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT
 from shared.tokenizer import ModelTokenizer
 
-DATA = REPO_ROOT.parent / "shared" / "data"
 # How each tool's description appears in the catalog prompt.
 PROMPTS = {"full": lambda d: d, "short": lambda d: d[:60], "names": lambda d: ""}
 
@@ -46,7 +46,7 @@ def main() -> None:
     backend = make_backend(cfg, load_weights(args.model, cfg, weights_dtype(kind, cfg)), spec, kind)
     tok = ModelTokenizer(args.model)
     engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
-    catalog = parse_registry((DATA / args.set / "catalog.json").read_text())
+    catalog = parse_registry((data_dir() / args.set / "catalog.json").read_text())
     catalog = Catalog(tuple(dataclasses.replace(t, description=PROMPTS[args.prompt](t.description))
                             for t in catalog.tools))
     trie = compile_catalog(catalog, tok)
@@ -54,7 +54,7 @@ def main() -> None:
     runtime = engine.load_catalog(trie)
     engine.run_until_idle()
     warm_s = time.perf_counter() - started
-    queries = [json.loads(line) for line in (DATA / args.set / "dev_queries.jsonl").open()][:args.queries]
+    queries = [json.loads(line) for line in (data_dir() / args.set / "dev_queries.jsonl").open()][:args.queries]
     seqs = [engine.submit(runtime, q["query"], len(q["tools"])) for q in queries]
     started = time.perf_counter()
     engine.run_until_idle()
