@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
 from decoder_service.model.batch import StepBatch  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
+from decoder_service.model.cuda.kernels import ROW_SPLITS  # noqa: E402
 from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 
 BLOCK = 16
@@ -153,14 +154,14 @@ def attention_variants(be, timer, per_seq: int, variants: list) -> None:
               + f" | {errs[name]:.1e} | {same[name]} |", flush=True)
 
 
-def staged(be, batch: StepBatch, kernel: str, split: int | None = None) -> tuple:
+def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_splits: int = ROW_SPLITS) -> tuple:
     """Stage the batch so that every row goes to one attention kernel ("rows" or "tiles"); its grid."""
     tile_from = be.attn_tile_from
     be.attn_tile_from = 0
     be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
     be.attn_tile_from = tile_from
     ctx = int(batch.positions.max()) + 1
-    rows, tiles = be.attn_grids(ctx)
+    rows, tiles = be.attn_grids(ctx, row_splits)
     return rows if kernel == "rows" else (tiles[0], tiles[1], -(-ctx // (split or be.attn_split)))
 
 
@@ -184,12 +185,9 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
         return lambda batch: staged(be, batch, "tiles", split)
 
     def rows_grid(maxs):
-        def g(batch):
-            r, h, _ = staged(be, batch, "rows")
-            return r, h, min(-(-(int(batch.positions.max()) + 1) // be.t_attn), maxs)
-        return g
+        return lambda batch: staged(be, batch, "rows", row_splits=maxs)
     rows = [layer["attn_rows"] for layer in be.layers]
-    out = [("k_attn_rows (a block per row, head, split)", rows, lambda batch: staged(be, batch, "rows"))]
+    out = [("k_attn_rows (a block per row, head, split)", rows, rows_grid(ROW_SPLITS))]
     out += [(f"k_attn_rows, at most {m} splits", row_split_launches(be, m), rows_grid(m)) for m in row_splits]
     for regs in regs_list:
         launches = attention_launches(be, regs)

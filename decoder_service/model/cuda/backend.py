@@ -143,10 +143,11 @@ class CudaBackend:
         # Prompt rows of a bf16 model (head_dim <= MMA_HD) attend in tiles on the tensor cores
         # (k_attn_mma, MQ queries a tile; perf log m2), others in k_attn_tiles (QB queries)
         self.mma_attn = weights.dtype == "bfloat16" and hd <= MMA_HD
-        self.rows_per_tile = (MQ if self.mma_attn else QB) // (nh // nkv)   # rows whose queries share a block
+        tile_queries = MQ if self.mma_attn else QB
+        self.rows_per_tile = tile_queries // (nh // nkv)   # rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
         if self.rows_per_tile < 1:
-            raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {MQ if self.mma_attn else QB}")
+            raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {tile_queries}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
@@ -501,11 +502,11 @@ class CudaBackend:
             lz, gx = layer[key + "/gemm"]
             lz.launch(gx, plan.blocks)
 
-    def attn_grids(self, max_ctx: int) -> tuple[tuple, tuple]:
+    def attn_grids(self, max_ctx: int, row_splits: int = ROW_SPLITS) -> tuple[tuple, tuple]:
         """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time
-        (rows, heads, splits: a row uses those its own context needs) and row tiles (tiles, KV heads,
-        splits of attn_split positions)."""
-        rows = (self._n_attn_rows, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), ROW_SPLITS)))
+        (rows, heads, splits: a row uses those its own context needs, at most row_splits, k_attn_rows'
+        `maxs`) and row tiles (tiles, KV heads, splits of attn_split positions)."""
+        rows = (self._n_attn_rows, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), row_splits)))
         tiles = (self._n_tiles, self.cfg.num_kv_heads, max(1, -(-int(max_ctx) // self.attn_split)))
         return rows, tiles
 

@@ -21,6 +21,7 @@ while multi-lane and multi-warp paths are still exercised.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -446,9 +447,10 @@ else:  # -----------------------------------------------------------------------
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 2))
         return v
 
+    @functools.cache
     def pdl_capable() -> bool:
         """Whether the GPU has programmatic dependent launch (sm_90 on); without one (offline PTX
-        for the H200, bench/ptx_report.py), yes."""
+        for the H200, bench/ptx_report.py), yes. Asked once."""
         try:
             return cuda.get_current_device().compute_capability >= (9, 0)
         except Exception:

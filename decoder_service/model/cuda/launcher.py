@@ -183,7 +183,8 @@ class Launch:
             cfg.gridDimX, cfg.gridDimY, cfg.gridDimZ = gx, gy, gz
             err, = drv.cuLaunchKernelEx(cfg, self.kernel.func, self._addr, 0)
         if err != _OK:
-            check((err,), f"cuLaunchKernel({self.name}, grid=({gx},{gy},{gz}), block={self.block})")
+            call = "cuLaunchKernel" if cfg is None else "cuLaunchKernelEx"
+            check((err,), f"{call}({self.name}, grid=({gx},{gy},{gz}), block={self.block})")
 
 
 def _pdl_config(block: int, shmem: int, stream):
