@@ -731,15 +731,16 @@ def dot2_rows(W, wa, wb, xs, Q, lane, n, acc):
 
 @cuda.jit(device=True, inline="always")
 def qk8(s, qs, c, k):
-    """s + q[c:c+8] . k, in ascending order."""
-    s += qs[c] * k[0]
-    s += qs[c + 1] * k[1]
-    s += qs[c + 2] * k[2]
-    s += qs[c + 3] * k[3]
-    s += qs[c + 4] * k[4]
-    s += qs[c + 5] * k[5]
-    s += qs[c + 6] * k[6]
-    s += qs[c + 7] * k[7]
+    """s + q[c:c+8] . k, in ascending order (unsigned indices: no negative-index wraparound code)."""
+    i = np.uint32(c)
+    s += qs[i] * k[0]
+    s += qs[i + 1] * k[1]
+    s += qs[i + 2] * k[2]
+    s += qs[i + 3] * k[3]
+    s += qs[i + 4] * k[4]
+    s += qs[i + 5] * k[5]
+    s += qs[i + 6] * k[6]
+    s += qs[i + 7] * k[7]
     return s
 
 
@@ -769,21 +770,21 @@ def pv_tile(sh, wo, base_s, vc, ro, tid, hd, cnt):
     j = g
     while j < cnt:
         j1, j2, j3 = min(j + G, last), min(j + 2 * G, last), min(j + 3 * G, last)
-        b0, b1, b2, b3 = base_s[j], base_s[j1], base_s[j2], base_s[j3]
+        b0, b1, b2, b3 = base_s[np.uint32(j)], base_s[np.uint32(j1)], base_s[np.uint32(j2)], base_s[np.uint32(j3)]
         v0 = ld8(vc, max(b0, 0) + o)
         v1 = ld8(vc, max(b1, 0) + o)
         v2 = ld8(vc, max(b2, 0) + o)
         v3 = ld8(vc, max(b3, 0) + o)
         if b0 >= 0:
-            a = axpy8(a, sh[wo + j], v0)
+            a = axpy8(a, sh[np.uint32(wo + j)], v0)
         if j + G < cnt and b1 >= 0:
-            a = axpy8(a, sh[wo + j1], v1)
+            a = axpy8(a, sh[np.uint32(wo + j1)], v1)
         if j + 2 * G < cnt and b2 >= 0:
-            a = axpy8(a, sh[wo + j2], v2)
+            a = axpy8(a, sh[np.uint32(wo + j2)], v2)
         if j + 3 * G < cnt and b3 >= 0:
-            a = axpy8(a, sh[wo + j3], v3)
+            a = axpy8(a, sh[np.uint32(wo + j3)], v3)
         j += 4 * G
-    r = ro + g * hd + o
+    r = np.uint32(ro + g * hd + o)
     for i in range(8):
         sh[r + i] = a[i]
 
@@ -793,7 +794,7 @@ def tile_sum(sh, off, groups, hd, d):
     """pv_tile's partial sums of dim d, added over the groups in ascending order."""
     t = np.float32(0.0)
     for g in range(groups):
-        t += sh[off + g * hd + d]
+        t += sh[np.uint32(off + g * hd + d)]
     return t
 
 
@@ -820,11 +821,16 @@ def st8(sh, i, v):
 @cuda.jit(device=True, inline="always")
 def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
     """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
-    where the block table has no block there."""
-    blk = bt[np.int64(slot) * mb + pos // bs]
+    where the block table has no block there. Positions and block sizes are non-negative int32, so the
+    block index is an unsigned 32-bit division (numba's Python floor division is a 64-bit one with a
+    sign fix-up, about 60 instructions more, perf log m5)."""
+    p = np.uint32(pos)
+    b = np.uint32(bs)
+    i = p // b
+    blk = bt[np.int64(slot) * mb + i]
     if blk < 0:
         return np.int64(-1)
-    return layer_off + (np.int64(blk) * bs + pos % bs) * rowlen + kvh * hd
+    return layer_off + (np.int64(blk) * bs + (p - i * b)) * rowlen + kvh * hd
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -1269,7 +1275,7 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     rowlen = np.int64(nkv) * hd
     qb = np.int64(r) * qkv_stride + h * hd
     for d in range(tid, hd, T):
-        sh[d] = qkv[qb + d] * scale
+        sh[np.uint32(d)] = qkv[qb + d] * scale
     cuda.syncthreads()
     m = np.float32(-math.inf)
     l = np.float32(0.0)
@@ -1281,7 +1287,7 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         s = np.float32(-math.inf)
         if p < p_end:
             kb = kv_base(bt, mb, slot, p, bs, layer_off, rowlen, kvh, hd)
-            base_s[tid] = kb
+            base_s[np.uint32(tid)] = kb
             if kb >= 0:
                 s = np.float32(0.0)
                 c = 0
@@ -1303,7 +1309,7 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         e = np.float32(0.0)
         if p < p_end and s > np.float32(-math.inf):
             e = math.exp(s - m_new)
-        sh[hd + tid] = e
+        sh[np.uint32(hd + tid)] = e
         tsum = block_sum(e, red, tid, nw)
         alpha = math.exp(m - m_new)
         l = l * alpha + tsum
@@ -1367,11 +1373,12 @@ def part_base(row, h, nh, maxs, hd):
 
 
 @cuda.jit(device=True, inline="always")
-def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
-                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T):
+def merge_splits(sh, wo, lo, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub, active,
+                 n_q, rb, tid):
     """The end of a prompt-attention block (128 threads: TQ lanes per query qi) whose split partials
-    (max, sum, acc) are in `part`: the (tile, KV head)'s last block to finish merges each query's
-    splits into `out`. Shared scratch: weights at sh[wo + qi * maxs + k], sums at sh[lo + qi]."""
+    (max, sum, acc) are in `part` (the query's from rb): the (tile, KV head)'s last block to finish
+    merges each query's splits into out[ob ..]. Shared scratch: weights at sh[wo + qi * maxs + k],
+    sums at sh[lo + qi]."""
     stride = hd + 2
     cuda.threadfence()
     cuda.syncthreads()
@@ -1384,8 +1391,8 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
     cuda.threadfence()
     # The last block merges each query's splits 0..nsq-1: the query's lanes find the max M over the
     # splits and their weights exp(m_k - M) (into shared, over the K/V tile), and sum l_k x weight
-    # (lane partials in ascending k, then the lanes' tree); then every thread takes output elements
-    # and sums acc_k x weight over k in ascending order, four loads in flight.
+    # (lane partials in ascending k, then the lanes' tree); then the query's lanes take its dims sub,
+    # sub + TQ, ... and sum acc_k x weight over k in ascending order, four loads in flight.
     nsq = (n_q + split - 1) // split
     big = np.float32(-math.inf)
     for k in range(sub, nsq, TQ):
@@ -1400,30 +1407,26 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
     if active and sub == 0:
         sh[np.uint64(lo + qi)] = lp
     cuda.syncthreads()
-    for i in range(tid, nq * hd, T):
-        qq = i // hd
-        d = i - qq * hd
-        rq = r0 + qq // group
-        hq = kvh * group + qq % group
-        nk = (positions[rq] + split) // split    # = ceil((position + 1) / split), as nsq
-        src = part_base(rq, hq, nkv * group, maxs, hd) + 2 + d
-        wq = wo + qq * maxs
-        o = ld_l2(part, src) * sh[np.uint64(wq)]
-        k = 1
-        while k + 3 < nk:
-            x1 = ld_l2(part, src + k * stride)
-            x2 = ld_l2(part, src + (k + 1) * stride)
-            x3 = ld_l2(part, src + (k + 2) * stride)
-            x4 = ld_l2(part, src + (k + 3) * stride)
-            o += x1 * sh[np.uint64(wq + k)]
-            o += x2 * sh[np.uint64(wq + k + 1)]
-            o += x3 * sh[np.uint64(wq + k + 2)]
-            o += x4 * sh[np.uint64(wq + k + 3)]
-            k += 4
-        while k < nk:
-            o += ld_l2(part, src + k * stride) * sh[np.uint64(wq + k)]
-            k += 1
-        out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint64(lo + qq)]
+    if active:
+        wq = np.uint32(wo + qi * maxs)
+        for d in range(sub, hd, TQ):
+            src = rb + 2 + d
+            o = ld_l2(part, src) * sh[wq]
+            k = 1
+            while k + 3 < nsq:
+                x1 = ld_l2(part, src + k * stride)
+                x2 = ld_l2(part, src + (k + 1) * stride)
+                x3 = ld_l2(part, src + (k + 2) * stride)
+                x4 = ld_l2(part, src + (k + 3) * stride)
+                o += x1 * sh[np.uint32(wq + k)]
+                o += x2 * sh[np.uint32(wq + k + 1)]
+                o += x3 * sh[np.uint32(wq + k + 2)]
+                o += x4 * sh[np.uint32(wq + k + 3)]
+                k += 4
+            while k < nsq:
+                o += ld_l2(part, src + k * stride) * sh[np.uint32(wq + k)]
+                k += 1
+            out[ob + d] = o / sh[np.uint32(lo + qi)]
     if tid == 0:
         counters[tile * nkv + kvh] = 0
 
@@ -1613,8 +1616,8 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
             part[pb + 1] = l
         for d in range(sub, hd, TQ):
             part[pb + 2 + d] = sh[np.uint64(arow + d)]
-    merge_splits(sh, ko, 0, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
-                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
+    merge_splits(sh, ko, 0, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub, active,
+                 n_q, rb, tid)
 
 
 @cuda.jit(device=True, inline="always")
@@ -1667,6 +1670,80 @@ def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh
         vv[8 * i + 4], vv[8 * i + 5], vv[8 * i + 6], vv[8 * i + 7] = y0, y1, y2, y3
 
 
+@cuda.jit(device=True, inline="always")
+def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane):
+    """k_attn_mma's work on one 16-position block at pb, whose K and V words att_load put in kw, vv:
+    S = q K^T by mma, positions at or past a row's n (n_a for row g, n_b for row g + 8) masked, the
+    online-softmax step of (m, l) and acc, then P (hi + lo) V by mma with V staged in this warp's V^T
+    (from word vw of vt). Returns the new (m_a, m_b, l_a, l_b). Shared-memory indices are unsigned:
+    numba wraps signed ones around for negative values (instructions in every access)."""
+    ninf = np.float32(-math.inf)
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
+    for c in range(MMA_HD // 32):
+        if c < nch:
+            o = np.uint32(c * 16 * MMA + lane)
+            h0, h1, h2, h3 = qw[o], qw[o + MMA], qw[o + 2 * MMA], qw[o + 3 * MMA]
+            h4, h5, h6, h7 = qw[o + 4 * MMA], qw[o + 5 * MMA], qw[o + 6 * MMA], qw[o + 7 * MMA]
+            e0, e1, e2, e3 = qw[o + 8 * MMA], qw[o + 9 * MMA], qw[o + 10 * MMA], qw[o + 11 * MMA]
+            e4, e5, e6, e7 = qw[o + 12 * MMA], qw[o + 13 * MMA], qw[o + 14 * MMA], qw[o + 15 * MMA]
+            s0, s1, s2, s3 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
+                                       kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3], s0, s1, s2, s3)
+            s4, s5, s6, s7 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
+                                       kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7], s4, s5, s6, s7)
+    # lane (g, t): s0, s1 / s2, s3 = rows g / g+8 at positions pb + 2t, + 1; s4 .. s7 at pb + 8 + 2t, + 1;
+    # a row keeps the positions below its n: offsets 2t, 2t + 1, 8 + 2t, 9 + 2t below n - pb (32-bit)
+    ra = np.int32(n_a - pb)
+    rb = np.int32(n_b - pb)
+    o0 = np.int32(2 * t)
+    o1 = np.int32(2 * t + 1)
+    o8 = np.int32(2 * t + 8)
+    o9 = np.int32(2 * t + 9)
+    s0 = s0 if o0 < ra else ninf
+    s1 = s1 if o1 < ra else ninf
+    s4 = s4 if o8 < ra else ninf
+    s5 = s5 if o9 < ra else ninf
+    s2 = s2 if o0 < rb else ninf
+    s3 = s3 if o1 < rb else ninf
+    s6 = s6 if o8 < rb else ninf
+    s7 = s7 if o9 < rb else ninf
+    mn_a = max(m_a, quad_max(max(max(s0, s1), max(s4, s5))))
+    mn_b = max(m_b, quad_max(max(max(s2, s3), max(s6, s7))))
+    al_a, s0, s1, s4, s5 = softmax_step(m_a, mn_a, s0, s1, s4, s5)
+    al_b, s2, s3, s6, s7 = softmax_step(m_b, mn_b, s2, s3, s6, s7)
+    l_a = l_a * al_a + quad_sum(s0 + s1 + s4 + s5)
+    l_b = l_b * al_b + quad_sum(s2 + s3 + s6 + s7)
+    pa0, qa0 = split_bf16(s0, s1)
+    pb0, qb0 = split_bf16(s2, s3)
+    pa1, qa1 = split_bf16(s4, s5)
+    pb1, qb1 = split_bf16(s6, s7)
+    # V of the 16 positions into this warp's V^T: unit u = lane + MMA i (pair lane % 8, dims 8dg ..)
+    mma_sync()
+    for i in range(ATT_VU):
+        u = lane + MMA * i
+        if u < nj * 8:
+            dg = u // 8
+            o = np.uint32(vw + 8 * dg * VT_STRIDE + u - dg * 8)
+            for j in range(4):
+                x = vv[8 * i + j]
+                y = vv[8 * i + 4 + j]
+                vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
+                vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
+    mma_sync()
+    for j in range(MMA_HD // 8):
+        if j < nj:
+            o = np.uint32(vw + (8 * j + g) * VT_STRIDE + t)
+            b0 = vt[o]
+            b1 = vt[o + 4]
+            c0 = acc[4 * j] * al_a
+            c1 = acc[4 * j + 1] * al_a
+            c2 = acc[4 * j + 2] * al_b
+            c3 = acc[4 * j + 3] * al_b
+            c0, c1, c2, c3 = mma_bf16(pa0, pb0, pa1, pb1, b0, b1, c0, c1, c2, c3)
+            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = \
+                mma_bf16(qa0, qb0, qa1, qb1, b0, b1, c0, c1, c2, c3)
+    return mn_a, mn_b, l_a, l_b
+
+
 @cuda.jit(cache=True)
 def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
                scale, split, out, out_stride, part, counters, maxs):
@@ -1711,28 +1788,32 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     rowlen = np.int64(nkv) * hd
     nch = (hd + 31) // 32
     # q (scaled) as the mma's A words: chunk c, lane L: rows gL and gL + 8 at dims 32c + 8tL .. + 7,
-    # words j = 0..7 hi (row pairs interleaved as the A fragment wants them), 8..15 lo
-    for u in range(tid, nch * MMA, T):
-        c = u // MMA
-        ln = u - c * MMA
+    # words j = 0..7 hi (row pairs interleaved as the A fragment wants them), 8..15 lo; the block's
+    # threads outnumber the nch * MMA units. A query qq is row qq // group, head qq % group (unsigned
+    # 32-bit divisions, as in kv_base)
+    ug = np.uint32(group)
+    if tid < nch * MMA:
+        c = tid // MMA
+        ln = tid - c * MMA
         d = c * 32 + 8 * (ln % 4)
         for half in range(2):
-            qq = ln // 4 + 8 * half
+            qq = np.uint32(ln // 4 + 8 * half)
             v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
             if qq < nq and d < hd:
-                v0, v1, v2, v3, v4, v5, v6, v7 = ld8(qkv, np.int64(r0 + qq // group) * qkv_stride
-                                                     + (kvh * group + qq % group) * hd + d)
-            o = c * 16 * MMA + half * MMA + ln
-            for j, (x, y) in enumerate(((v0, v1), (v2, v3), (v4, v5), (v6, v7))):
-                hi, lo = split_bf16(x * scale, y * scale)
-                qw[o + 2 * j * MMA] = hi
-                qw[o + (8 + 2 * j) * MMA] = lo
+                qr = qq // ug
+                v0, v1, v2, v3, v4, v5, v6, v7 = ld8(qkv, np.int64(r0 + qr) * qkv_stride
+                                                     + (kvh * group + (qq - qr * ug)) * hd + d)
+            o = np.uint32(c * 16 * MMA + half * MMA + ln)
+            qw[o], qw[o + 8 * MMA] = split_bf16(v0 * scale, v1 * scale)
+            qw[o + 2 * MMA], qw[o + 10 * MMA] = split_bf16(v2 * scale, v3 * scale)
+            qw[o + 4 * MMA], qw[o + 12 * MMA] = split_bf16(v4 * scale, v5 * scale)
+            qw[o + 6 * MMA], qw[o + 14 * MMA] = split_bf16(v6 * scale, v7 * scale)
     cuda.syncthreads()
     qa = g
     qb = g + 8
     # a row's scores count up to its own position and the split's end
-    n_a = min(positions[r0 + min(qa, nq - 1) // group] + 1, p_end) if qa < nq else 0
-    n_b = min(positions[r0 + min(qb, nq - 1) // group] + 1, p_end) if qb < nq else 0
+    n_a = min(positions[r0 + np.uint32(min(qa, nq - 1)) // ug] + 1, p_end) if qa < nq else 0
+    n_b = min(positions[r0 + np.uint32(min(qb, nq - 1)) // ug] + 1, p_end) if qb < nq else 0
     ninf = np.float32(-math.inf)
     m_a = ninf
     m_b = ninf
@@ -1743,94 +1824,38 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
         acc[i] = np.float32(0.0)
     nj = hd // 8
     vw = w * MMA_HD * VT_STRIDE
-    # the block's K and V words in registers, the next block's loads issued before this one's mmas
+    # the block's K and V words in registers, the next block's loads issued before this one's mmas;
+    # the two register sets take turns (no copies between them)
     kw = cuda.local.array(ATT_KW, nb_u32)
     vv = cuda.local.array(ATT_VW, nb_u32)
+    kn = cuda.local.array(ATT_KW, nb_u32)
+    vn = cuda.local.array(ATT_VW, nb_u32)
+    step = 16 * ATT_WARPS
     pb = p_begin + 16 * w
     att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
     while pb < p_end:
-        kn = cuda.local.array(ATT_KW, nb_u32)
-        vn = cuda.local.array(ATT_VW, nb_u32)
-        att_load(kn, vn, kc, vc, bt, mb, slot, pb + 16 * ATT_WARPS, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
-        s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-        for c in range(MMA_HD // 32):
-            if c < nch:
-                o = c * 16 * MMA + lane
-                h0, h1, h2, h3 = qw[o], qw[o + MMA], qw[o + 2 * MMA], qw[o + 3 * MMA]
-                h4, h5, h6, h7 = qw[o + 4 * MMA], qw[o + 5 * MMA], qw[o + 6 * MMA], qw[o + 7 * MMA]
-                e0, e1, e2, e3 = qw[o + 8 * MMA], qw[o + 9 * MMA], qw[o + 10 * MMA], qw[o + 11 * MMA]
-                e4, e5, e6, e7 = qw[o + 12 * MMA], qw[o + 13 * MMA], qw[o + 14 * MMA], qw[o + 15 * MMA]
-                s0, s1, s2, s3 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
-                                           kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3], s0, s1, s2, s3)
-                s4, s5, s6, s7 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
-                                           kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7], s4, s5, s6, s7)
-        # lane (g, t): s0, s1 / s2, s3 = rows g / g+8 at positions pb + 2t, + 1; s4 .. s7 at pb + 8 + 2t, + 1
-        p0 = pb + 2 * t
-        p1 = p0 + 8
-        s0 = s0 if p0 < n_a else ninf
-        s1 = s1 if p0 + 1 < n_a else ninf
-        s4 = s4 if p1 < n_a else ninf
-        s5 = s5 if p1 + 1 < n_a else ninf
-        s2 = s2 if p0 < n_b else ninf
-        s3 = s3 if p0 + 1 < n_b else ninf
-        s6 = s6 if p1 < n_b else ninf
-        s7 = s7 if p1 + 1 < n_b else ninf
-        mn_a = max(m_a, quad_max(max(max(s0, s1), max(s4, s5))))
-        mn_b = max(m_b, quad_max(max(max(s2, s3), max(s6, s7))))
-        al_a, s0, s1, s4, s5 = softmax_step(m_a, mn_a, s0, s1, s4, s5)
-        al_b, s2, s3, s6, s7 = softmax_step(m_b, mn_b, s2, s3, s6, s7)
-        l_a = l_a * al_a + quad_sum(s0 + s1 + s4 + s5)
-        l_b = l_b * al_b + quad_sum(s2 + s3 + s6 + s7)
-        m_a = mn_a
-        m_b = mn_b
-        pa0, qa0 = split_bf16(s0, s1)
-        pb0, qb0 = split_bf16(s2, s3)
-        pa1, qa1 = split_bf16(s4, s5)
-        pb1, qb1 = split_bf16(s6, s7)
-        # V of the 16 positions into this warp's V^T: unit u = lane + MMA i (pair pr, dims 8dg ..)
-        mma_sync()
-        for i in range(ATT_VU):
-            u = lane + MMA * i
-            if u < nj * 8:
-                dg = u // 8
-                o = vw + 8 * dg * VT_STRIDE + u - dg * 8
-                for j in range(4):
-                    x = vv[8 * i + j]
-                    y = vv[8 * i + 4 + j]
-                    vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
-                    vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
-        mma_sync()
-        for j in range(MMA_HD // 8):
-            if j < nj:
-                o = vw + (8 * j + g) * VT_STRIDE + t
-                b0 = vt[o]
-                b1 = vt[o + 4]
-                c0 = acc[4 * j] * al_a
-                c1 = acc[4 * j + 1] * al_a
-                c2 = acc[4 * j + 2] * al_b
-                c3 = acc[4 * j + 3] * al_b
-                c0, c1, c2, c3 = mma_bf16(pa0, pb0, pa1, pb1, b0, b1, c0, c1, c2, c3)
-                acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = \
-                    mma_bf16(qa0, qb0, qa1, qb1, b0, b1, c0, c1, c2, c3)
-        for i in range(ATT_KW):
-            kw[i] = kn[i]
-        for i in range(ATT_VW):
-            vv[i] = vn[i]
-        pb += 16 * ATT_WARPS
+        att_load(kn, vn, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
+        m_a, m_b, l_a, l_b = att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane)
+        pb += step
+        if pb >= p_end:
+            break
+        att_load(kw, vv, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
+        m_a, m_b, l_a, l_b = att_block(kn, vn, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane)
+        pb += step
     # the warps' states into shared: max and sum at [w * MQ + q] and [ATT_WARPS MQ + w * MQ + q], acc after
+    # (unsigned indices, as in att_block)
     ao = 2 * ATT_WARPS * MQ
     if t == 0:
-        sh[w * MQ + qa] = m_a
-        sh[w * MQ + qb] = m_b
-        sh[ATT_WARPS * MQ + w * MQ + qa] = l_a
-        sh[ATT_WARPS * MQ + w * MQ + qb] = l_b
+        sh[np.uint32(w * MQ + qa)] = m_a
+        sh[np.uint32(w * MQ + qb)] = m_b
+        sh[np.uint32(ATT_WARPS * MQ + w * MQ + qa)] = l_a
+        sh[np.uint32(ATT_WARPS * MQ + w * MQ + qb)] = l_b
+    sa = np.uint32(ao + (w * MQ + qa) * hd + 2 * t)
+    sb = np.uint32(ao + (w * MQ + qb) * hd + 2 * t)
     for j in range(MMA_HD // 8):
         if j < nj:
-            d = 8 * j + 2 * t
-            sh[ao + (w * MQ + qa) * hd + d] = acc[4 * j]
-            sh[ao + (w * MQ + qa) * hd + d + 1] = acc[4 * j + 1]
-            sh[ao + (w * MQ + qb) * hd + d] = acc[4 * j + 2]
-            sh[ao + (w * MQ + qb) * hd + d + 1] = acc[4 * j + 3]
+            sh[sa + 8 * j], sh[sa + 8 * j + 1] = acc[4 * j], acc[4 * j + 1]
+            sh[sb + 8 * j], sh[sb + 8 * j + 1] = acc[4 * j + 2], acc[4 * j + 3]
     cuda.syncthreads()
     # merge the warps in order: thread (query qi = tid // TQ, lane sub) takes dims sub, sub + TQ, ...
     qi = tid // TQ
@@ -1842,24 +1867,27 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     big = ninf
     if qi < MQ:
         for u in range(ATT_WARPS):
-            big = max(big, sh[u * MQ + qi])
+            big = max(big, sh[np.uint32(u * MQ + qi)])
     l = np.float32(0.0)
     ob = np.int64(row) * out_stride + h * hd
     rb = part_base(row, h, nkv * group, maxs, hd)
     pbase = rb + sp * (hd + 2)
     if active and p_begin < n_q:
-        wt = cuda.local.array(ATT_WARPS, nb_f32)     # each warp's weight exp(m_w - big), once
+        # each warp's weight exp(m_w - big), once; warps without a score for the query are left out
+        wt = cuda.local.array(ATT_WARPS, nb_f32)
+        has = cuda.local.array(ATT_WARPS, nb_i32)
         for u in range(ATT_WARPS):
-            mu = sh[u * MQ + qi]
+            mu = sh[np.uint32(u * MQ + qi)]
+            has[u] = mu > ninf
             wt[u] = np.float32(0.0)
-            if mu > ninf:
+            if has[u]:
                 wt[u] = math.exp(mu - big)
-                l += sh[ATT_WARPS * MQ + u * MQ + qi] * wt[u]
+                l += sh[np.uint32(ATT_WARPS * MQ + u * MQ + qi)] * wt[u]
         for d in range(sub, hd, TQ):
             x = np.float32(0.0)
             for u in range(ATT_WARPS):
-                if sh[u * MQ + qi] > ninf:
-                    x += sh[ao + (u * MQ + qi) * hd + d] * wt[u]
+                if has[u]:
+                    x += sh[np.uint32(ao + (u * MQ + qi) * hd + d)] * wt[u]
             if ns == 1:
                 out[ob + d] = x / l
             else:
@@ -1870,8 +1898,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     if ns == 1:
         return
     cuda.syncthreads()   # the warps' states are read: merge_splits may reuse the shared memory
-    merge_splits(sh, 0, MQ * maxs, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd,
-                 split, maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
+    merge_splits(sh, 0, MQ * maxs, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub,
+                 active, n_q, rb, tid)
 
 
 def attn_mma_shared_floats(hd: int, maxs: int) -> int:
