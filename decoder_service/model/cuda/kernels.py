@@ -63,6 +63,8 @@ ATT_ACC = MMA_HD // 2         # k_attn_mma: a lane's output accumulators (4 per 
 ATT_KW = MMA_HD // 4          # k_attn_mma: a lane's K words of a 16-position block (2 n8 tiles x 4 a chunk)
 ATT_VU = MMA_HD // MMA        # k_attn_mma: a lane's V units (8 dims of a position pair) of a block
 ATT_VW = 8 * ATT_VU           # k_attn_mma: their words
+MMA_ATTN_REGISTERS = 168     # k_attn_mma's register cap: three 128-thread blocks per SM, no spills (perf log m5)
+_MMA_ATTN_JIT = {} if SIM else {"max_registers": MMA_ATTN_REGISTERS}
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
@@ -1373,12 +1375,12 @@ def part_base(row, h, nh, maxs, hd):
 
 
 @cuda.jit(device=True, inline="always")
-def merge_splits(sh, wo, lo, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub, active,
-                 n_q, rb, tid):
+def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
+                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T):
     """The end of a prompt-attention block (128 threads: TQ lanes per query qi) whose split partials
-    (max, sum, acc) are in `part` (the query's from rb): the (tile, KV head)'s last block to finish
-    merges each query's splits into out[ob ..]. Shared scratch: weights at sh[wo + qi * maxs + k],
-    sums at sh[lo + qi]."""
+    (max, sum, acc) are in `part` (query qi's from rb): the (tile, KV head)'s last block to finish
+    merges each query's splits into `out`. Shared scratch: weights at sh[wo + qi * maxs + k], sums at
+    sh[lo + qi]. Index arithmetic in unsigned 32 bits where it divides (perf log m5)."""
     stride = hd + 2
     cuda.threadfence()
     cuda.syncthreads()
@@ -1391,8 +1393,9 @@ def merge_splits(sh, wo, lo, part, counters, flag, out, ob, kvh, nkv, hd, split,
     cuda.threadfence()
     # The last block merges each query's splits 0..nsq-1: the query's lanes find the max M over the
     # splits and their weights exp(m_k - M) (into shared, over the K/V tile), and sum l_k x weight
-    # (lane partials in ascending k, then the lanes' tree); then the query's lanes take its dims sub,
-    # sub + TQ, ... and sum acc_k x weight over k in ascending order, four loads in flight.
+    # (lane partials in ascending k, then the lanes' tree); then thread tid takes dims tid % hd (+ T, ...
+    # when hd > T) of queries tid // hd, + T // hd, ... and sums acc_k x weight over k in ascending
+    # order, four loads in flight.
     nsq = (n_q + split - 1) // split
     big = np.float32(-math.inf)
     for k in range(sub, nsq, TQ):
@@ -1407,13 +1410,24 @@ def merge_splits(sh, wo, lo, part, counters, flag, out, ob, kvh, nkv, hd, split,
     if active and sub == 0:
         sh[np.uint64(lo + qi)] = lp
     cuda.syncthreads()
-    if active:
-        wq = np.uint32(wo + qi * maxs)
-        for d in range(sub, hd, TQ):
-            src = rb + 2 + d
+    uh = np.uint32(hd)
+    ug = np.uint32(group)
+    per = max(np.uint32(T) // uh, np.uint32(1))      # queries a pass
+    qq = np.uint32(tid) // uh
+    d0 = np.uint32(tid) - qq * uh
+    if qq >= per:
+        qq = np.uint32(nq)                          # threads past the last whole query idle
+    while qq < nq:
+        qr = qq // ug
+        rq = r0 + qr
+        hq = kvh * group + (qq - qr * ug)
+        nk = np.uint32(positions[rq] + split) // np.uint32(split)    # = ceil((position + 1) / split), as nsq
+        wq = np.uint32(wo + qq * maxs)
+        for d in range(d0, hd, T):
+            src = part_base(rq, hq, nkv * group, maxs, hd) + 2 + d
             o = ld_l2(part, src) * sh[wq]
-            k = 1
-            while k + 3 < nsq:
+            k = np.uint32(1)
+            while k + 3 < nk:
                 x1 = ld_l2(part, src + k * stride)
                 x2 = ld_l2(part, src + (k + 1) * stride)
                 x3 = ld_l2(part, src + (k + 2) * stride)
@@ -1423,10 +1437,11 @@ def merge_splits(sh, wo, lo, part, counters, flag, out, ob, kvh, nkv, hd, split,
                 o += x3 * sh[np.uint32(wq + k + 2)]
                 o += x4 * sh[np.uint32(wq + k + 3)]
                 k += 4
-            while k < nsq:
+            while k < nk:
                 o += ld_l2(part, src + k * stride) * sh[np.uint32(wq + k)]
                 k += 1
-            out[ob + d] = o / sh[np.uint32(lo + qi)]
+            out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint32(lo + qq)]
+        qq += per
     if tid == 0:
         counters[tile * nkv + kvh] = 0
 
@@ -1616,8 +1631,8 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
             part[pb + 1] = l
         for d in range(sub, hd, TQ):
             part[pb + 2 + d] = sh[np.uint64(arow + d)]
-    merge_splits(sh, ko, 0, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub, active,
-                 n_q, rb, tid)
+    merge_splits(sh, ko, 0, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd, split,
+                 maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
 
 
 @cuda.jit(device=True, inline="always")
@@ -1744,7 +1759,7 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
     return mn_a, mn_b, l_a, l_b
 
 
-@cuda.jit(cache=True)
+@cuda.jit(cache=True, **_MMA_ATTN_JIT)
 def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
                scale, split, out, out_stride, part, counters, maxs):
     """k_attn_tiles on the tensor cores (bf16 pool): the same grid, tiles, splits and split merge, for
@@ -1898,8 +1913,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     if ns == 1:
         return
     cuda.syncthreads()   # the warps' states are read: merge_splits may reuse the shared memory
-    merge_splits(sh, 0, MQ * maxs, part, counters, flag, out, ob, kvh, nkv, hd, split, maxs, tile, ns, qi, sub,
-                 active, n_q, rb, tid)
+    merge_splits(sh, 0, MQ * maxs, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd,
+                 split, maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
 
 
 def attn_mma_shared_floats(hd: int, maxs: int) -> int:
