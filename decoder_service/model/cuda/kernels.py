@@ -460,10 +460,11 @@ else:  # -----------------------------------------------------------------------
 
     @intrinsic
     def pdl_enter(typingctx):
-        """The first statement of every model kernel (programmatic dependent launch, sm_90): wait until
-        the kernel before it in the stream has finished and its writes are visible, then let the next
-        kernel's blocks be scheduled, so that its launch overlaps this kernel's run instead of following
-        it. A kernel launched without the PDL attribute passes straight through."""
+        """Called by every model kernel before it reads anything (programmatic dependent launch, sm_90;
+        k_gemv issues weight cache hints first): wait until the kernel before it in the stream has
+        finished and its writes are visible, then let the next kernel's blocks be scheduled, so that
+        its launch overlaps this kernel's run instead of following it. A kernel launched without the
+        PDL attribute passes straight through."""
         sig = nbt.void()
 
         def codegen(context, builder, sig, args):
@@ -760,9 +761,9 @@ def pv_tile(sh, wo, base_s, vc, ro, tid, hd, cnt):
     g + 2G, ... in ascending order, four loads in flight, G = threads // (hd / 8) groups, and writes its
     8 sums to sh[ro + g * hd + 8c ...]; tile_sum adds them over g in ascending order. A missing block
     (base -1) contributes nothing and is never read."""
-    c8 = hd // 8
-    G = cuda.blockDim.x // c8
-    g = tid // c8
+    c8 = np.uint32(hd // 8)
+    G = np.uint32(cuda.blockDim.x) // c8
+    g = np.uint32(tid) // c8
     if g >= G:
         return
     o = (tid - g * c8) * 8
@@ -818,6 +819,13 @@ def st8(sh, i, v):
     sh[np.uint64(i + 5)] = v[5]
     sh[np.uint64(i + 6)] = v[6]
     sh[np.uint64(i + 7)] = v[7]
+
+
+@cuda.jit(device=True, inline="always")
+def cdiv(a, b):
+    """ceil(a / b) of non-negative int32 values, as an unsigned 32-bit division (numba's // on them is a
+    64-bit floor division with a sign fix-up: ~60 instructions more; perf log m5)."""
+    return np.uint32(a + b - 1) // np.uint32(b)
 
 
 @cuda.jit(device=True, inline="always")
@@ -936,13 +944,12 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     """out[r] (op)= W @ f(x[src]) for one input row per blockIdx.y; f = RMSNorm(gamma) if use_norm.
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
-    pairs; before staging x it issues cache hints (pf) for its first pair's rows so that the weight
-    fetch overlaps the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
+    pairs; before anything else it issues cache hints (pf) for its pairs' rows so that the weight
+    fetch overlaps the previous kernel and the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
     2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV with RoPE and
     the KV write (rope_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
-    pdl_enter()
     xs = cuda.shared.array(0, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     tid = cuda.threadIdx.x
@@ -953,9 +960,16 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     npairs = (N + 1) // 2
     Kp = np.int64(Q) * 8
     p0 = cuda.blockIdx.x * nw + tid // WARP
-    if pf != 0 and p0 < npairs:
-        prefetch_row(W, 2 * p0 * Kp, Kp, lane, pf, epl)
-        prefetch_row(W, min(2 * p0 + 1, N - 1) * Kp, Kp, lane, pf, epl)
+    # Cache hints for the warp's weight rows (the first input row's blocks), issued before the wait
+    # for the previous kernel: no kernel writes the weights, so their fetch overlaps that kernel's
+    # tail as well as this one's staging (perf log m6).
+    if pf != 0 and r == 0:
+        p = p0
+        while p < npairs:
+            prefetch_row(W, 2 * p * Kp, Kp, lane, pf, epl)
+            prefetch_row(W, min(2 * p + 1, N - 1) * Kp, Kp, lane, pf, epl)
+            p += cuda.gridDim.x * nw
+    pdl_enter()
     src = r
     if use_map != 0:
         src = row_map[r]
@@ -1264,27 +1278,31 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     T = cuda.blockDim.x
     nw = T // WARP
     n_ctx = positions[r] + 1
-    ntiles = (n_ctx + T - 1) // T
-    ns = min(ntiles, maxs)
-    tps = (ntiles + ns - 1) // ns
-    ns = (ntiles + tps - 1) // tps
+    ntiles = cdiv(n_ctx, T)
+    ns = min(ntiles, np.uint32(maxs))
+    tps = cdiv(ntiles, ns)
+    ns = cdiv(ntiles, tps)
     if sp >= ns:
         return
     p_begin = sp * tps * T
     p_end = min(p_begin + tps * T, n_ctx)
-    kvh = h // group
+    kvh = np.uint32(h) // np.uint32(group)
     slot = slots[r]
     rowlen = np.int64(nkv) * hd
     qb = np.int64(r) * qkv_stride + h * hd
-    for d in range(tid, hd, T):
+    d = tid                                   # while loops: a range with a runtime step divides
+    while d < hd:
         sh[np.uint32(d)] = qkv[qb + d] * scale
+        d += T
     cuda.syncthreads()
     m = np.float32(-math.inf)
     l = np.float32(0.0)
     acc0 = np.float32(0.0)
     acc1 = np.float32(0.0)
     d1 = tid + T
-    for t0 in range(p_begin, p_end, T):
+    groups = np.uint32(T) // np.uint32(hd // 8)     # pv_tile's groups of threads
+    t0 = p_begin
+    while t0 < p_end:
         p = t0 + tid
         s = np.float32(-math.inf)
         if p < p_end:
@@ -1319,13 +1337,13 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         cuda.syncthreads()
         pv_tile(sh, hd, base_s, vc, hd + T, tid, hd, cnt)
         cuda.syncthreads()
-        groups = T // (hd // 8)
         if tid < hd:
             acc0 = acc0 * alpha + tile_sum(sh, hd + T, groups, hd, tid)
         if d1 < hd:
             acc1 = acc1 * alpha + tile_sum(sh, hd + T, groups, hd, d1)
         m = m_new
         cuda.syncthreads()
+        t0 += T
     ob = np.int64(r) * out_stride + h * hd
     if ns == 1:
         if tid < hd:
@@ -1359,11 +1377,13 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     L = np.float32(0.0)
     for k in range(ns):
         L += ld_l2(part, rb + k * stride + 1) * math.exp(ld_l2(part, rb + k * stride) - M)
-    for d in range(tid, hd, T):
+    d = tid
+    while d < hd:
         o = np.float32(0.0)
         for k in range(ns):
             o += ld_l2(part, rb + k * stride + 2 + d) * math.exp(ld_l2(part, rb + k * stride) - M)
         out[ob + d] = o / L
+        d += T
     if tid == 0:
         counters[rh] = 0
 
@@ -1396,7 +1416,7 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
     # (lane partials in ascending k, then the lanes' tree); then thread tid takes dims tid % hd (+ T, ...
     # when hd > T) of queries tid // hd, + T // hd, ... and sums acc_k x weight over k in ascending
     # order, four loads in flight.
-    nsq = (n_q + split - 1) // split
+    nsq = cdiv(n_q, split)
     big = np.float32(-math.inf)
     for k in range(sub, nsq, TQ):
         big = max(big, ld_l2(part, rb + k * stride))
@@ -1481,14 +1501,14 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     nrows = tiles[2 * tile + 1]
     nq = nrows * group
     n_max = positions[r0 + nrows - 1] + 1    # the tile's rows are at consecutive positions
-    ns = (n_max + split - 1) // split
+    ns = cdiv(n_max, split)
     if sp >= ns:
         return
     qi = tid // TQ
     sub = tid - qi * TQ
     active = qi < nq
-    row = r0 + min(qi, nq - 1) // group
-    h = kvh * group + qi % group
+    row = r0 + np.uint32(min(qi, nq - 1)) // np.uint32(group)     # unsigned 32-bit divisions (cdiv)
+    h = kvh * group + np.uint32(qi) % np.uint32(group)
     n_q = positions[row] + 1 if active else 0
     hs = hd + 1                       # row stride of q, K, acc in shared (odd: no bank conflicts)
     hv = v_stride(hd)                 # V's: lane sub reads dims sub + TQ i unclamped
@@ -1794,7 +1814,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     nrows = tiles[2 * tile + 1]
     nq = nrows * group
     n_max = positions[r0 + nrows - 1] + 1
-    ns = (n_max + split - 1) // split
+    ns = cdiv(n_max, split)
     if sp >= ns:
         return
     p_begin = sp * split
@@ -1876,8 +1896,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     qi = tid // TQ
     sub = tid - qi * TQ
     active = qi < nq
-    row = r0 + min(qi, nq - 1) // group
-    h = kvh * group + min(qi, nq - 1) % group
+    row = r0 + np.uint32(min(qi, nq - 1)) // np.uint32(group)     # unsigned 32-bit divisions (cdiv)
+    h = kvh * group + np.uint32(min(qi, nq - 1)) % np.uint32(group)
     n_q = positions[row] + 1 if active else 0
     big = ninf
     if qi < MQ:
