@@ -108,7 +108,7 @@ class CudaBackend:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
-                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 0,
+                 max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
                  attn_split: int | None = None, attn_tile_from: int = 2048, graph_rows: int = 16,
                  max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
@@ -124,7 +124,7 @@ class CudaBackend:
         self.max_table = max_table or max(64 * 64, 8 * max(1, -(-cfg.max_position_embeddings // kv_spec.block_size)))
         self.dqkv = cfg.q_size + 2 * cfg.kv_size
         self.kp_h, self.kp_q, self.kp_i = _round8(H), _round8(cfg.q_size), _round8(I)
-        self.prefetch = int(prefetch)            # 0 none, 1 L2, 2 L1 hint for a warp's first rows
+        self.prefetch = int(prefetch)            # weight cache hints: 0 none, 1 L2 (perf log m6), 2 L1
         self.gemv_threads = gemv_threads         # None: by matrix size (perf_log.md, run 2)
         # forward() replays a captured graph for steps of up to graph_rows decode rows (one per shape
         # of launch: rows, logit rows, table stride, attention grid; at most max_graphs kept)

@@ -960,10 +960,11 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     npairs = (N + 1) // 2
     Kp = np.int64(Q) * 8
     p0 = cuda.blockIdx.x * nw + tid // WARP
-    # Cache hints for the warp's weight rows (the first input row's blocks), issued before the wait
-    # for the previous kernel: no kernel writes the weights, so their fetch overlaps that kernel's
-    # tail as well as this one's staging (perf log m6).
-    if pf != 0 and r == 0:
+    # Cache hints for the warp's weight rows, issued before the wait for the previous kernel: no kernel
+    # writes the weights, so their fetch overlaps that kernel's tail and this one's staging. One input
+    # row only: with several, the hints' traffic slows the previous kernel more than it saves
+    # (perf log m6).
+    if pf != 0 and cuda.gridDim.y == 1:
         p = p0
         while p < npairs:
             prefetch_row(W, 2 * p * Kp, Kp, lane, pf, epl)
