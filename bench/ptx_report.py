@@ -1,7 +1,7 @@
 """The compiler's view of kernels, without a GPU: registers, spills and shared memory from ptxas for
 sm_90, and whether a kernel's PTX is that of another checkout.
 
-    python3 bench/ptx_report.py k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16]
+    python3 bench/ptx_report.py k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16] [--sass]
 
 numba compiles each kernel's Python source to PTX (`cuda.compile_ptx`, which needs NVRTC: the
 `nvidia-cuda-nvrtc` wheel or a CUDA toolkit) and `ptxas -arch=sm_90 -v` (from a CUDA toolkit, found
@@ -9,7 +9,9 @@ on PATH or under /usr/local/cuda*/bin) reports its resources. Kernels compile wi
 caps here (a cap is a launch-time JIT option). With --against, the same kernels are compiled from the
 other checkout and compared: "identical" (the same PTX, names aside), "same instructions" (the same
 instructions in another order or with other register numbers), or "different". The perf log's "PTX
-unchanged" claims come from this.
+unchanged" claims come from this. With --sass, `cuobjdump -sass` (the `nvidia-cuda-cuobjdump` and
+`nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine instructions: in all, and in the body
+of each loop of 60 or more (perf log m5, m6: numba's 64-bit index arithmetic shows up here).
 """
 from __future__ import annotations
 
@@ -38,22 +40,50 @@ def compile_ptx(tree: Path, names: list[str], storage: str) -> dict:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def ptxas() -> str:
-    found = shutil.which("ptxas") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ptxas"))), None)
+def tool(name: str) -> str:
+    """A CUDA tool found on PATH or under /usr/local/cuda*/bin."""
+    found = shutil.which(name) or next(iter(sorted(glob.glob(f"/usr/local/cuda*/bin/{name}"))), None)
     if not found:
-        raise SystemExit("ptxas not found: install a CUDA toolkit or put ptxas on PATH")
+        raise SystemExit(f"{name} not found: install a CUDA toolkit or put {name} on PATH")
     return found
+
+
+def assemble(ptx: str, cubin: str) -> str:
+    """ptxas -v for sm_90 into `cubin` ("/dev/null" for none); its report (stderr)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        return subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", f.name, "-o", cubin], capture_output=True,
+                              text=True, check=True).stderr
 
 
 def resources(ptx: str) -> str:
     """ptxas -v's registers / spill / shared-memory lines for one kernel's PTX."""
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
-        f.write(ptx)
-        f.flush()
-        err = subprocess.run([ptxas(), "-arch=sm_90", "-v", f.name, "-o", "/dev/null"], capture_output=True,
-                             text=True, check=True).stderr
+    err = assemble(ptx, "/dev/null")
     keep = [ln.split("info    : ")[-1].strip() for ln in err.splitlines() if "registers" in ln or "spill" in ln]
     return "; ".join(keep)
+
+
+def sass(ptx: str) -> str:
+    """The kernel's machine instructions in all, and the body sizes of its loops of 60 or more (a
+    backward branch before the last unpredicated EXIT; after it come the divergent-warp fallbacks of
+    the shuffles, whose branches jump back into the body)."""
+    with tempfile.TemporaryDirectory() as d:
+        cubin = f"{d}/k.cubin"
+        assemble(ptx, cubin)
+        text = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True,
+                              check=True).stdout
+    ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
+    end = max((a for a, op in ins if op == "EXIT"), default=ins[-1][0])
+    loops = []
+    for a, op in ins:
+        m = re.search(r"BRA (?:\S+, )?0x([0-9a-f]+)$", op)
+        if m and int(m.group(1), 16) < a <= end:
+            size = sum(int(m.group(1), 16) <= b <= a for b, _ in ins)
+            if size >= 60:
+                loops.append(str(size))
+    return f"{len(ins)} instructions; loops: {' '.join(loops) or 'none'}"
 
 
 def _body(ptx: str) -> list[str]:
@@ -79,6 +109,7 @@ def main() -> None:
     ap.add_argument("kernels", nargs="+")
     ap.add_argument("--against", type=Path, help="another checkout to compare the PTX with")
     ap.add_argument("--storage", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    ap.add_argument("--sass", action="store_true", help="count machine instructions (cuobjdump)")
     args = ap.parse_args()
     here = compile_ptx(ROOT, args.kernels, args.storage)
     there = compile_ptx(args.against.resolve(), args.kernels, args.storage) if args.against else {}
@@ -86,6 +117,10 @@ def main() -> None:
         line = f"{name}: {resources(here[name])}"
         if there:
             line += f" | against {args.against}: {compare(there[name], here[name])}"
+        if args.sass:
+            line += f" | SASS: {sass(here[name])}"
+            if there:
+                line += f" (against: {sass(there[name])})"
         print(line, flush=True)
 
 
