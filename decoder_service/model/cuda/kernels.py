@@ -831,9 +831,8 @@ def cdiv(a, b):
 @cuda.jit(device=True, inline="always")
 def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
     """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
-    where the block table has no block there. Positions and block sizes are non-negative int32, so the
-    block index is an unsigned 32-bit division (numba's Python floor division is a 64-bit one with a
-    sign fix-up, about 60 instructions more, perf log m5)."""
+    where the block table has no block there. The block index is an unsigned 32-bit division, as in
+    cdiv (positions and block sizes are non-negative)."""
     p = np.uint32(pos)
     b = np.uint32(bs)
     i = p // b
@@ -944,10 +943,10 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     """out[r] (op)= W @ f(x[src]) for one input row per blockIdx.y; f = RMSNorm(gamma) if use_norm.
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
-    pairs; before anything else it issues cache hints (pf) for its pairs' rows so that the weight
-    fetch overlaps the previous kernel and the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] += dot (residual);
-    2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV with RoPE and
-    the KV write (rope_store; the parameters from `positions` on serve only this mode).
+    pairs; at one input row it first issues cache hints (pf) for its pairs' rows, so that the weight
+    fetch overlaps the previous kernel and the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] +=
+    dot (residual); 2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV
+    with RoPE and the KV write (rope_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
@@ -1727,21 +1726,21 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
             s4, s5, s6, s7 = mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, e0, e1, e2, e3, e4, e5, e6, e7,
                                        kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7], s4, s5, s6, s7)
     # lane (g, t): s0, s1 / s2, s3 = rows g / g+8 at positions pb + 2t, + 1; s4 .. s7 at pb + 8 + 2t, + 1;
-    # a row keeps the positions below its n: offsets 2t, 2t + 1, 8 + 2t, 9 + 2t below n - pb (32-bit)
-    ra = np.int32(n_a - pb)
-    rb = np.int32(n_b - pb)
+    # a row keeps the block's first n - pb positions: offsets 2t, 2t + 1, 8 + 2t, 9 + 2t (32-bit compares)
+    keep_a = np.int32(n_a - pb)
+    keep_b = np.int32(n_b - pb)
     o0 = np.int32(2 * t)
     o1 = np.int32(2 * t + 1)
     o8 = np.int32(2 * t + 8)
     o9 = np.int32(2 * t + 9)
-    s0 = s0 if o0 < ra else ninf
-    s1 = s1 if o1 < ra else ninf
-    s4 = s4 if o8 < ra else ninf
-    s5 = s5 if o9 < ra else ninf
-    s2 = s2 if o0 < rb else ninf
-    s3 = s3 if o1 < rb else ninf
-    s6 = s6 if o8 < rb else ninf
-    s7 = s7 if o9 < rb else ninf
+    s0 = s0 if o0 < keep_a else ninf
+    s1 = s1 if o1 < keep_a else ninf
+    s4 = s4 if o8 < keep_a else ninf
+    s5 = s5 if o9 < keep_a else ninf
+    s2 = s2 if o0 < keep_b else ninf
+    s3 = s3 if o1 < keep_b else ninf
+    s6 = s6 if o8 < keep_b else ninf
+    s7 = s7 if o9 < keep_b else ninf
     mn_a = max(m_a, quad_max(max(max(s0, s1), max(s4, s5))))
     mn_b = max(m_b, quad_max(max(max(s2, s3), max(s6, s7))))
     al_a, s0, s1, s4, s5 = softmax_step(m_a, mn_a, s0, s1, s4, s5)
