@@ -1790,8 +1790,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     pool, lane (g, t) reading dims 8t .. 8t+7 of position g of each n8 tile, the k permutation of
     k_gemm), positions past a query's own masked; per row the block's max and sum are quad trees
     over the lane's four values in order; P (hi + lo) times V by mma, V staged per warp in shared
-    memory as V^T bf16 pairs; the next block's K and V loads are issued before this block's mmas
-    (att_load). The warps' (max, sum, acc) merge in warp order, then the split's
+    memory as V^T bf16 pairs (att_block); the next block's K and V loads are issued before this
+    block's mmas (att_load). The warps' (max, sum, acc) merge in warp order, then the split's
     partial goes where k_attn_tiles puts it and merge_splits finishes. A query's arithmetic depends on
     its position and the pool alone (the 16-position blocks and the warp that takes each are fixed by
     absolute position), never on its tile mates, the tile it lands in or the batch.
