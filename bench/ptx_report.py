@@ -65,16 +65,21 @@ def resources(ptx: str) -> str:
 
 
 def sass(ptx: str) -> str:
-    """The kernel's machine instructions in all, and the body sizes of its loops of 60 or more (a
-    backward branch before the last unpredicated EXIT; after it come the divergent-warp fallbacks of
-    the shuffles, whose branches jump back into the body)."""
+    """The kernel's machine instructions (`cuobjdump -sass` of its sm_90 cubin), summarized."""
     with tempfile.TemporaryDirectory() as d:
         cubin = f"{d}/k.cubin"
         assemble(ptx, cubin)
         text = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
+    return sass_summary(text)
+
+
+def sass_summary(listing: str) -> str:
+    """Instructions in all, and the body sizes of the loops of 60 or more: a backward branch before the
+    last unpredicated EXIT (after it come the divergent-warp fallbacks of the shuffles, whose branches
+    jump back into the body)."""
     ins = [(int(m.group(1), 16), m.group(2).strip()) for m in
-           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", text)]
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", listing)]
     end = max((a for a, op in ins if op == "EXIT"), default=ins[-1][0])
     loops = []
     for a, op in ins:

@@ -41,3 +41,14 @@ def test_report_of_a_run_without_the_peer_has_no_peer_rows_and_no_ratios(tmp_pat
     assert (tmp_path / "bench_test.json").exists() and (tmp_path / "bench_test.md").read_text() == md + "\n"
     assert "speed-up over the peer" not in md and "| peer |" not in md
     assert "| smollm2-135m | metatool | tooltrie |" in md
+
+
+def test_sass_summary_counts_loops_before_the_last_exit_only():
+    from bench.ptx_report import sass_summary
+    body = [f"        /*{16 * i:04x}*/                   FFMA R1, R2, R3, R1 ;" for i in range(70)]
+    listing = "\n".join([*body,
+                         "        /*0460*/               @P0 BRA 0x0;",          # a 71-instruction loop
+                         "        /*0470*/                   BRA 0x100 ;",       # 56: under 60, not listed
+                         "        /*0480*/                   EXIT ;",
+                         "        /*0490*/                   BRA 0x20 ;"])       # a divergent-warp fallback
+    assert sass_summary(listing) == "74 instructions; loops: 71"
