@@ -92,7 +92,8 @@ def reference_attention(be, batch: StepBatch, layer: int) -> np.ndarray:
 
 
 def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
-    """The layers' prompt attention launches, k_attn_tiles compiled under a register cap (0: none) and
+    """The layers' prompt attention launches, the tiles' kernel compiled under a register cap (0: its own,
+    e.g. k_attn_mma's MMA_ATTN_REGISTERS) and
     with a split size (None: the backend's)."""
     from numba import cuda
 
@@ -206,7 +207,7 @@ def main() -> None:
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--rows", default="1,16,48,256")
     p.add_argument("--prefix", default="0,4955")
-    p.add_argument("--attention-regs", default="", help="e.g. 0,128,96: time k_attn under these register caps")
+    p.add_argument("--attention-regs", default="", help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
     args = p.parse_args()
