@@ -93,8 +93,7 @@ def reference_attention(be, batch: StepBatch, layer: int) -> np.ndarray:
 
 def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
     """The layers' prompt attention launches, the tiles' kernel compiled under a register cap (0: its own,
-    e.g. k_attn_mma's MMA_ATTN_REGISTERS) and
-    with a split size (None: the backend's)."""
+    e.g. k_attn_mma's MMA_ATTN_REGISTERS) and with a split size (None: the backend's)."""
     from numba import cuda
 
     from decoder_service.model.cuda import kernels
