@@ -1441,7 +1441,7 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
         qr = qq // ug
         rq = r0 + qr
         hq = kvh * group + (qq - qr * ug)
-        nk = np.uint32(positions[rq] + split) // np.uint32(split)    # = ceil((position + 1) / split), as nsq
+        nk = cdiv(positions[rq] + 1, split)          # query qq's nsq
         wq = np.uint32(wo + qq * maxs)
         for d in range(d0, hd, T):
             src = part_base(rq, hq, nkv * group, maxs, hd) + 2 + d
