@@ -829,17 +829,22 @@ def cdiv(a, b):
 
 
 @cuda.jit(device=True, inline="always")
+def divmod_u32(a, b):
+    """(a // b, a % b) of non-negative int32 values, as one unsigned 32-bit division (see cdiv): a
+    position's block and slot in it, a head's KV head, a tile query's row and head."""
+    q = np.uint32(a) // np.uint32(b)
+    return q, np.uint32(a) - q * np.uint32(b)
+
+
+@cuda.jit(device=True, inline="always")
 def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
     """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
-    where the block table has no block there. The block index is an unsigned 32-bit division, as in
-    cdiv (positions and block sizes are non-negative)."""
-    p = np.uint32(pos)
-    b = np.uint32(bs)
-    i = p // b
+    where the block table has no block there."""
+    i, o = divmod_u32(pos, bs)
     blk = bt[np.int64(slot) * mb + i]
     if blk < 0:
         return np.int64(-1)
-    return layer_off + (np.int64(blk) * bs + (p - i * b)) * rowlen + kvh * hd
+    return layer_off + (np.int64(blk) * bs + o) * rowlen + kvh * hd
 
 
 # ----------------------------------------------------------------------------------------- kernels
@@ -1286,7 +1291,7 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         return
     p_begin = sp * tps * T
     p_end = min(p_begin + tps * T, n_ctx)
-    kvh = np.uint32(h) // np.uint32(group)
+    kvh, _ = divmod_u32(h, group)
     slot = slots[r]
     rowlen = np.int64(nkv) * hd
     qb = np.int64(r) * qkv_stride + h * hd
@@ -1430,17 +1435,14 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
     if active and sub == 0:
         sh[np.uint64(lo + qi)] = lp
     cuda.syncthreads()
-    uh = np.uint32(hd)
-    ug = np.uint32(group)
-    per = max(np.uint32(T) // uh, np.uint32(1))      # queries a pass
-    qq = np.uint32(tid) // uh
-    d0 = np.uint32(tid) - qq * uh
+    per = max(np.uint32(T) // np.uint32(hd), np.uint32(1))      # queries a pass
+    qq, d0 = divmod_u32(tid, hd)
     if qq >= per:
         qq = np.uint32(nq)                          # threads past the last whole query idle
     while qq < nq:
-        qr = qq // ug
+        qr, qh = divmod_u32(qq, group)
         rq = r0 + qr
-        hq = kvh * group + (qq - qr * ug)
+        hq = kvh * group + qh
         nk = cdiv(positions[rq] + 1, split)          # query qq's nsq
         wq = np.uint32(wo + qq * maxs)
         for d in range(d0, hd, T):
@@ -1507,8 +1509,9 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     qi = tid // TQ
     sub = tid - qi * TQ
     active = qi < nq
-    row = r0 + np.uint32(min(qi, nq - 1)) // np.uint32(group)     # unsigned 32-bit divisions (cdiv)
-    h = kvh * group + np.uint32(qi) % np.uint32(group)
+    qr, qh = divmod_u32(min(qi, nq - 1), group)
+    row = r0 + qr
+    h = kvh * group + qh
     n_q = positions[row] + 1 if active else 0
     hs = hd + 1                       # row stride of q, K, acc in shared (odd: no bank conflicts)
     hv = v_stride(hd)                 # V's: lane sub reads dims sub + TQ i unclamped
@@ -1824,20 +1827,18 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     nch = (hd + 31) // 32
     # q (scaled) as the mma's A words: chunk c, lane L: rows gL and gL + 8 at dims 32c + 8tL .. + 7,
     # words j = 0..7 hi (row pairs interleaved as the A fragment wants them), 8..15 lo; the block's
-    # threads outnumber the nch * MMA units. A query qq is row qq // group, head qq % group (unsigned
-    # 32-bit divisions, as in kv_base)
-    ug = np.uint32(group)
+    # threads outnumber the nch * MMA units
     if tid < nch * MMA:
         c = tid // MMA
         ln = tid - c * MMA
         d = c * 32 + 8 * (ln % 4)
         for half in range(2):
-            qq = np.uint32(ln // 4 + 8 * half)
+            qq = ln // 4 + 8 * half
             v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = np.float32(0.0)
             if qq < nq and d < hd:
-                qr = qq // ug
+                qr, qh = divmod_u32(qq, group)
                 v0, v1, v2, v3, v4, v5, v6, v7 = ld8(qkv, np.int64(r0 + qr) * qkv_stride
-                                                     + (kvh * group + (qq - qr * ug)) * hd + d)
+                                                     + (kvh * group + qh) * hd + d)
             o = np.uint32(c * 16 * MMA + half * MMA + ln)
             qw[o], qw[o + 8 * MMA] = split_bf16(v0 * scale, v1 * scale)
             qw[o + 2 * MMA], qw[o + 10 * MMA] = split_bf16(v2 * scale, v3 * scale)
@@ -1847,8 +1848,8 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     qa = g
     qb = g + 8
     # a row's scores count up to its own position and the split's end
-    n_a = min(positions[r0 + np.uint32(min(qa, nq - 1)) // ug] + 1, p_end) if qa < nq else 0
-    n_b = min(positions[r0 + np.uint32(min(qb, nq - 1)) // ug] + 1, p_end) if qb < nq else 0
+    n_a = min(positions[r0 + divmod_u32(min(qa, nq - 1), group)[0]] + 1, p_end) if qa < nq else 0
+    n_b = min(positions[r0 + divmod_u32(min(qb, nq - 1), group)[0]] + 1, p_end) if qb < nq else 0
     ninf = np.float32(-math.inf)
     m_a = ninf
     m_b = ninf
@@ -1896,8 +1897,9 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     qi = tid // TQ
     sub = tid - qi * TQ
     active = qi < nq
-    row = r0 + np.uint32(min(qi, nq - 1)) // np.uint32(group)     # unsigned 32-bit divisions (cdiv)
-    h = kvh * group + np.uint32(min(qi, nq - 1)) % np.uint32(group)
+    qr, qh = divmod_u32(min(qi, nq - 1), group)
+    row = r0 + qr
+    h = kvh * group + qh
     n_q = positions[row] + 1 if active else 0
     big = ninf
     if qi < MQ:
