@@ -20,10 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_model_check import MODELS, random_weights  # noqa: E402
-from bench.step_profile import BLOCK, decode_batch, prefill_batch  # noqa: E402
+from bench.gpu_model_check import MODELS  # noqa: E402
+from bench.step_profile import decode_batch, prefill_batch, sized_backend  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 
 
 def parse_case(text: str) -> tuple[str, int, int]:
@@ -41,13 +40,9 @@ def main() -> None:
     args = p.parse_args()
     from numba import cuda
 
-    from decoder_service.model.cuda.backend import CudaBackend
     cases = [parse_case(c) for c in args.cases]
     cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
-    per_seq = -(-(max(p + r for _, r, p in cases) + 1) // BLOCK)
-    max_r = max(r for _, r, _ in cases)
-    be = CudaBackend(cfg, random_weights(cfg, seed=1), KVPoolSpec(per_seq + max_r, BLOCK), max_rows=max_r,
-                     max_logit_rows=max_r, max_table=per_seq * max_r, graph_rows=0)
+    be, per_seq = sized_backend(cfg, max(r for _, r, _ in cases), max(p + r for _, r, p in cases), graph_rows=0)
     for kind, rows, prefix in cases:
         batch = (prefill_batch if kind == "prefill" else decode_batch)(rows, prefix, per_seq)
         be.forward(batch)

@@ -18,22 +18,18 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu_model_check import MODELS, rand_bf16, random_weights  # noqa: E402
-from bench.step_profile import BLOCK, decode_batch, prefill_batch  # noqa: E402
+from bench.gpu_model_check import MODELS, rand_bf16  # noqa: E402
+from bench.step_profile import decode_batch, prefill_batch, sized_backend  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 
 PREFIX = 4955   # MetaTool's catalog prefix with SmolLM2's tokenizer
 CASES = [("prefill", 71, PREFIX), ("prefill", 96, 20), ("prefill", 3, PREFIX + 100), ("decode", 3, PREFIX)]
 
 
 def main() -> None:
-    from decoder_service.model.cuda.backend import CudaBackend
     cfg = ModelConfig.from_dict(MODELS["smollm2-135m"], "smollm2-135m")
     max_r = max(r for _, r, _ in CASES)
-    per_seq = -(-(PREFIX + 100 + max_r + 1) // BLOCK)
-    be = CudaBackend(cfg, random_weights(cfg, seed=1), KVPoolSpec(per_seq + max_r * 2, BLOCK),
-                     max_rows=max_r, max_logit_rows=max_r, max_table=per_seq * max_r)
+    be, per_seq = sized_backend(cfg, max_r, PREFIX + 100 + max_r, spare=2)
     rng = np.random.default_rng(5)
     for pool in (be.kv_k, be.kv_v):
         pool.copy_to_device(rand_bf16(rng, (pool.size,), 1.0))

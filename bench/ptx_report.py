@@ -7,9 +7,9 @@ numba compiles each kernel's Python source to PTX (`cuda.compile_ptx`, which nee
 `nvidia-cuda-nvrtc` wheel or a CUDA toolkit) and `ptxas -arch=sm_90 -v` (from a CUDA toolkit, found
 on PATH or under /usr/local/cuda*/bin) reports its resources. Kernels compile without their register
 caps here (a cap is a launch-time JIT option). With --against, the same kernels are compiled from the
-other checkout and compared: "identical" (the same PTX, names aside), "same instructions" (the same
-instructions in another order or with other register numbers), or "different". The perf log's "PTX
-unchanged" claims come from this. With --sass, `cuobjdump -sass` (the `nvidia-cuda-cuobjdump` and
+other checkout (its resources printed too) and compared: "identical" (the same PTX, names aside),
+"same instructions" (the same instructions in another order or with other register numbers), or
+"different". The perf log's "PTX unchanged" claims come from this. With --sass, `cuobjdump -sass` (the `nvidia-cuda-cuobjdump` and
 `nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine instructions: in all, and in the body
 of each loop of 60 or more (perf log m5, m6: numba's 64-bit index arithmetic shows up here).
 """
@@ -121,7 +121,7 @@ def main() -> None:
     for name in args.kernels:
         line = f"{name}: {resources(here[name])}"
         if there:
-            line += f" | against {args.against}: {compare(there[name], here[name])}"
+            line += f" | against {args.against}: {compare(there[name], here[name])}; {resources(there[name])}"
         if args.sass:
             line += f" | SASS: {sass(here[name])}"
             if there:

@@ -15,8 +15,8 @@ import json
 import time
 from pathlib import Path
 
-from compiler_service.compiler import compile_catalog
 from bench.workload import data_dir
+from compiler_service.compiler import compile_catalog
 from decoder_service.engine.engine import DecodeEngine
 from decoder_service.engine.sequence import DoneEvent, FailedEvent
 from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype

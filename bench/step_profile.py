@@ -54,6 +54,34 @@ def decode_batch(rows: int, prefix: int, per_seq: int) -> StepBatch:
                      logit_rows=np.arange(rows, dtype=np.int32), decode_rows=rows)
 
 
+def sized_backend(cfg: ModelConfig, max_rows: int, max_position: int, spare: int = 1, **options):
+    """A CudaBackend (random bf16 weights, seed 1; `options` to its constructor) for max_rows rows of
+    prefill_batch or decode_batch up to max_position, and the blocks a sequence's table spans (per_seq).
+    The pool holds one sequence's blocks plus `spare` blocks a row (its size sets where random K/V land:
+    logits_hash keeps 2, so its hashes stay comparable across checkouts)."""
+    from decoder_service.model.cuda.backend import CudaBackend
+    per_seq = -(-(max_position + 1) // BLOCK)
+    be = CudaBackend(cfg, random_weights(cfg, seed=1), KVPoolSpec(per_seq + spare * max_rows, BLOCK),
+                     max_rows=max_rows, max_logit_rows=max_rows, max_table=per_seq * max_rows, **options)
+    return be, per_seq
+
+
+def relaunched(be, key: str, kernel=None, arg: int | None = None, value=None) -> list:
+    """The layers' `key` launches packed again (same block, shared memory, stream), on `kernel` (None:
+    theirs) and with argument `arg` set to `value` (None: unchanged)."""
+    from decoder_service.model.cuda.launcher import Launch
+    out = []
+    for layer in be.layers:
+        a = layer[key]
+        args = list(a.args)
+        if arg is not None:
+            args[arg] = value
+        k = kernel or a.kernel
+        k.allow_dynamic_shared(a.shmem)
+        out.append(Launch(k, a.block, a.shmem, args, be.stream.handle, a.name))
+    return out
+
+
 def profile(be, timer, batch: StepBatch) -> dict:
     R = batch.num_rows
     be.stage(batch)
@@ -97,20 +125,12 @@ def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
     from numba import cuda
 
     from decoder_service.model.cuda import kernels
-    from decoder_service.model.cuda.launcher import Kernel, Launch
+    from decoder_service.model.cuda.launcher import Kernel
     name = be.layers[0]["attn_tiles"].kernel.name     # k_attn_mma (bf16) or k_attn_tiles
     kern = be.kernels[name] if not regs else \
         Kernel(name, be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.KERNELS[name].py_func))
-    out = []
-    for layer in be.layers:
-        a = layer["attn_tiles"]
-        args = list(a.args)
-        if split is not None:
-            assert args[15] == be.attn_split   # k_attn_tiles' `split` argument
-            args[15] = split
-        kern.allow_dynamic_shared(a.shmem)
-        out.append(Launch(kern, a.block, a.shmem, args, be.stream.handle, a.name))
-    return out
+    assert be.layers[0]["attn_tiles"].args[15] == be.attn_split   # the tiles' `split` argument
+    return relaunched(be, "attn_tiles", kern, 15 if split is not None else None, split)
 
 
 CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("prefill", 48, 2047),
@@ -165,18 +185,6 @@ def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_spli
     return rows if kernel == "rows" else (tiles[0], tiles[1], -(-ctx // (split or be.attn_split)))
 
 
-def row_split_launches(be, maxs: int) -> list:
-    """The layers' k_attn_rows launches with at most `maxs` splits a row (the backend's: ROW_SPLITS)."""
-    from decoder_service.model.cuda.launcher import Launch
-    out = []
-    for layer in be.layers:
-        a = layer["attn_rows"]
-        args = list(a.args)
-        args[-1] = maxs     # k_attn_rows' `maxs` argument
-        out.append(Launch(a.kernel, a.block, a.shmem, args, be.stream.handle, a.name))
-    return out
-
-
 def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: list[int] = ()) -> list:
     """k_attn_rows for every row (at the backend's ROW_SPLITS, then at each of row_splits), then the
     prompt tiles' kernel (k_attn_mma or k_attn_tiles) for every row under each register cap (at the
@@ -188,7 +196,9 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
         return lambda batch: staged(be, batch, "rows", row_splits=maxs)
     rows = [layer["attn_rows"] for layer in be.layers]
     out = [("k_attn_rows (a block per row, head, split)", rows, rows_grid(ROW_SPLITS))]
-    out += [(f"k_attn_rows, at most {m} splits", row_split_launches(be, m), rows_grid(m)) for m in row_splits]
+    maxs = len(rows[0].args) - 1    # k_attn_rows' last argument: at most this many splits a row
+    out += [(f"k_attn_rows, at most {m} splits", relaunched(be, "attn_rows", arg=maxs, value=m), rows_grid(m))
+            for m in row_splits]
     for regs in regs_list:
         launches = attention_launches(be, regs)
         k = launches[0].kernel
@@ -206,19 +216,15 @@ def main() -> None:
     p.add_argument("--shape", default="smollm2-135m")
     p.add_argument("--rows", default="1,16,48,256")
     p.add_argument("--prefix", default="0,4955")
-    p.add_argument("--attention-regs", default="", help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
+    p.add_argument("--attention-regs", default="",
+                   help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
     args = p.parse_args()
-    from decoder_service.model.cuda.backend import CudaBackend
     cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
     rows_list = [int(r) for r in args.rows.split(",")]
     prefixes = [int(x) for x in args.prefix.split(",")]
-    per_seq = -(-(max(prefixes) + max(rows_list) + 1) // BLOCK)
-    max_r = max(rows_list)
-    spec = KVPoolSpec(per_seq + max_r, BLOCK)
-    be = CudaBackend(cfg, random_weights(cfg, seed=1), spec, max_rows=max_r, max_logit_rows=max_r,
-                     max_table=per_seq * max_r)
+    be, per_seq = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list))
     timer = Timer(be)
     if args.attention_regs or args.attention_splits or args.row_splits:
         ints = lambda a: [int(x) for x in a.split(",") if x]  # noqa: E731
