@@ -555,17 +555,19 @@ def sq8(s, v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @cuda.jit(device=True, inline="always")
+def planes(o, Q):
+    """The shared-memory indices o + e*Q (e = 0..7) of a planar chunk's elements, unsigned: numba adds
+    negative-index wraparound code to every access through a signed index."""
+    return (np.uint32(o), np.uint32(o + Q), np.uint32(o + 2 * Q), np.uint32(o + 3 * Q), np.uint32(o + 4 * Q),
+            np.uint32(o + 5 * Q), np.uint32(o + 6 * Q), np.uint32(o + 7 * Q))
+
+
+@cuda.jit(device=True, inline="always")
 def put_chunk(xs, o, Q, ss, v0, v1, v2, v3, v4, v5, v6, v7):
     """Store one 8-element chunk into the planar layout (element e at xs[o + e*Q]); return ss plus the
     chunk's squares, added in order."""
-    xs[o] = v0
-    xs[o + Q] = v1
-    xs[o + 2 * Q] = v2
-    xs[o + 3 * Q] = v3
-    xs[o + 4 * Q] = v4
-    xs[o + 5 * Q] = v5
-    xs[o + 6 * Q] = v6
-    xs[o + 7 * Q] = v7
+    i0, i1, i2, i3, i4, i5, i6, i7 = planes(o, Q)
+    xs[i0], xs[i1], xs[i2], xs[i3], xs[i4], xs[i5], xs[i6], xs[i7] = v0, v1, v2, v3, v4, v5, v6, v7
     return sq8(ss, v0, v1, v2, v3, v4, v5, v6, v7)
 
 
@@ -576,14 +578,15 @@ def scale_chunks(xs, xo, gamma, inv, Q, tid, T):
     c = tid
     while c < Q:
         g0, g1, g2, g3, g4, g5, g6, g7 = ld8(gamma, c * 8)
-        xs[xo + c] = xs[xo + c] * inv * g0
-        xs[xo + Q + c] = xs[xo + Q + c] * inv * g1
-        xs[xo + 2 * Q + c] = xs[xo + 2 * Q + c] * inv * g2
-        xs[xo + 3 * Q + c] = xs[xo + 3 * Q + c] * inv * g3
-        xs[xo + 4 * Q + c] = xs[xo + 4 * Q + c] * inv * g4
-        xs[xo + 5 * Q + c] = xs[xo + 5 * Q + c] * inv * g5
-        xs[xo + 6 * Q + c] = xs[xo + 6 * Q + c] * inv * g6
-        xs[xo + 7 * Q + c] = xs[xo + 7 * Q + c] * inv * g7
+        i0, i1, i2, i3, i4, i5, i6, i7 = planes(xo + c, Q)
+        xs[i0] = xs[i0] * inv * g0
+        xs[i1] = xs[i1] * inv * g1
+        xs[i2] = xs[i2] * inv * g2
+        xs[i3] = xs[i3] * inv * g3
+        xs[i4] = xs[i4] * inv * g4
+        xs[i5] = xs[i5] * inv * g5
+        xs[i6] = xs[i6] * inv * g6
+        xs[i7] = xs[i7] * inv * g7
         c += T
 
 
@@ -642,8 +645,8 @@ def acc8(a0, a1, w0, w1, w2, w3, w4, w5, w6, w7, x0, x1, x2, x3, x4, x5, x6, x7)
 @cuda.jit(device=True, inline="always")
 def xchunk(xs, xo, Q, q):
     """The 8 staged x values of chunk q (planar layout)."""
-    return (xs[xo + q], xs[xo + Q + q], xs[xo + 2 * Q + q], xs[xo + 3 * Q + q], xs[xo + 4 * Q + q],
-            xs[xo + 5 * Q + q], xs[xo + 6 * Q + q], xs[xo + 7 * Q + q])
+    i0, i1, i2, i3, i4, i5, i6, i7 = planes(xo + q, Q)
+    return xs[i0], xs[i1], xs[i2], xs[i3], xs[i4], xs[i5], xs[i6], xs[i7]
 
 
 @cuda.jit(device=True, inline="always")
@@ -1099,6 +1102,35 @@ def gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c):
         cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3] = w0, w1, w2, w3
 
 
+@cuda.jit(device=True, inline="always")
+def gemm_chunk(cx, cw, acc, sa, sb, use_norm):
+    """k_gemm's work on one 32-wide K chunk whose operands gemm_load put in cx, cw: the rows' sums of
+    squares (sa, sb) under a norm, x times gamma as bf16 hi + lo, and the n8 tiles' mma pairs into acc.
+    Returns the new (sa, sb)."""
+    a0, a1, a2, a3, a4, a5, a6, a7 = cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7]
+    b0, b1, b2, b3, b4, b5, b6, b7 = cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15]
+    if use_norm != 0:
+        sa = sq8(sa, a0, a1, a2, a3, a4, a5, a6, a7)
+        sb = sq8(sb, b0, b1, b2, b3, b4, b5, b6, b7)
+        g0, g1, g2, g3, g4, g5, g6, g7 = cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23]
+        a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
+        b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
+    ha0, la0 = split_bf16(a0, a1)
+    ha1, la1 = split_bf16(a2, a3)
+    ha2, la2 = split_bf16(a4, a5)
+    ha3, la3 = split_bf16(a6, a7)
+    hb0, lb0 = split_bf16(b0, b1)
+    hb1, lb1 = split_bf16(b2, b3)
+    hb2, lb2 = split_bf16(b4, b5)
+    hb3, lb3 = split_bf16(b6, b7)
+    for j in range(GEMM_NT):
+        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_chunk(
+            ha0, hb0, ha1, hb1, ha2, hb2, ha3, hb3, la0, lb0, la1, lb1, la2, lb2, la3, lb3,
+            cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3], acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
+            acc[4 * j + 3])
+    return sa, sb
+
+
 @cuda.jit(cache=True)
 def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
@@ -1132,41 +1164,23 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     sa = np.float32(0.0)
     sb = np.float32(0.0)
     # chunk c's operands in registers (cx: x rows g, g+8 then gamma; cw: the n8 tiles' weight words),
-    # the next chunk's loads issued before this chunk's mmas
+    # the next chunk's loads issued before this chunk's mmas; the two register sets take turns
     cx = cuda.local.array(24, nb_f32)
     cw = cuda.local.array(GEMM_ACC, nb_u32)
+    nx = cuda.local.array(24, nb_f32)
+    nw = cuda.local.array(GEMM_ACC, nb_u32)
+    step = GEMM_WARPS * 32
     c = w * 32
     gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c)
     while c < Kp:
-        nx = cuda.local.array(24, nb_f32)
-        nw = cuda.local.array(GEMM_ACC, nb_u32)
-        gemm_load(nx, nw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + GEMM_WARPS * 32)
-        a0, a1, a2, a3, a4, a5, a6, a7 = cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7]
-        b0, b1, b2, b3, b4, b5, b6, b7 = cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15]
-        if use_norm != 0:
-            sa = sq8(sa, a0, a1, a2, a3, a4, a5, a6, a7)
-            sb = sq8(sb, b0, b1, b2, b3, b4, b5, b6, b7)
-            g0, g1, g2, g3, g4, g5, g6, g7 = cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23]
-            a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
-            b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
-        ha0, la0 = split_bf16(a0, a1)
-        ha1, la1 = split_bf16(a2, a3)
-        ha2, la2 = split_bf16(a4, a5)
-        ha3, la3 = split_bf16(a6, a7)
-        hb0, lb0 = split_bf16(b0, b1)
-        hb1, lb1 = split_bf16(b2, b3)
-        hb2, lb2 = split_bf16(b4, b5)
-        hb3, lb3 = split_bf16(b6, b7)
-        for j in range(GEMM_NT):
-            acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_chunk(
-                ha0, hb0, ha1, hb1, ha2, hb2, ha3, hb3, la0, lb0, la1, lb1, la2, lb2, la3, lb3,
-                cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3], acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
-                acc[4 * j + 3])
-        for i in range(24):
-            cx[i] = nx[i]
-        for i in range(GEMM_ACC):
-            cw[i] = nw[i]
-        c += GEMM_WARPS * 32
+        gemm_load(nx, nw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + step)
+        sa, sb = gemm_chunk(cx, cw, acc, sa, sb, use_norm)
+        c += step
+        if c >= Kp:
+            break
+        gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + step)
+        sa, sb = gemm_chunk(nx, nw, acc, sa, sb, use_norm)
+        c += step
     for j in range(GEMM_NT):
         for e in range(4):
             part[((w * GEMM_NT + j) * 4 + e) * MMA + lane] = acc[4 * j + e]
@@ -1445,7 +1459,8 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
         hq = kvh * group + qh
         nk = cdiv(positions[rq] + 1, split)          # query qq's nsq
         wq = np.uint32(wo + qq * maxs)
-        for d in range(d0, hd, T):
+        d = np.int64(d0)             # a while loop: a range with a runtime step divides (d0 is unsigned:
+        while d < hd:                # d0 + T would unify to float64)
             src = part_base(rq, hq, nkv * group, maxs, hd) + 2 + d
             o = ld_l2(part, src) * sh[wq]
             k = np.uint32(1)
@@ -1463,6 +1478,7 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
                 o += ld_l2(part, src + k * stride) * sh[np.uint32(wq + k)]
                 k += 1
             out[np.int64(rq) * out_stride + hq * hd + d] = o / sh[np.uint32(lo + qq)]
+            d += T
         qq += per
     if tid == 0:
         counters[tile * nkv + kvh] = 0
