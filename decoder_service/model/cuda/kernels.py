@@ -1285,7 +1285,6 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     so whichever block that is, the arithmetic is the same. Dynamic shared: hd + 9T floats.
     Grid (R, nh, max splits over the batch); blocks beyond their row's ns return at once.
     """
-    pdl_enter()
     sh = cuda.shared.array(0, nb_f32)
     base_s = cuda.shared.array(MAX_TILE, nb_i64)
     red = cuda.shared.array(32, nb_f32)
@@ -1308,6 +1307,13 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
     kvh, _ = divmod_u32(h, group)
     slot = slots[r]
     rowlen = np.int64(nkv) * hd
+    # The first tile's pool offsets before the wait for the previous kernel: rows, positions, slots
+    # and block tables are the host's step inputs, which no kernel writes, so this chain of dependent
+    # loads overlaps that kernel (PDL); q and the pool's newest K/V are its output and wait.
+    kb = np.int64(-1)
+    if p_begin + tid < p_end:
+        kb = kv_base(bt, mb, slot, p_begin + tid, bs, layer_off, rowlen, kvh, hd)
+    pdl_enter()
     qb = np.int64(r) * qkv_stride + h * hd
     d = tid                                   # while loops: a range with a runtime step divides
     while d < hd:
@@ -1325,7 +1331,8 @@ def k_attn_rows(qkv, qkv_stride, rows, slots, positions, bt, mb, kc, vc, layer_o
         p = t0 + tid
         s = np.float32(-math.inf)
         if p < p_end:
-            kb = kv_base(bt, mb, slot, p, bs, layer_off, rowlen, kvh, hd)
+            if t0 != p_begin:         # the first tile's offsets were looked up before the wait
+                kb = kv_base(bt, mb, slot, p, bs, layer_off, rowlen, kvh, hd)
             base_s[np.uint32(tid)] = kb
             if kb >= 0:
                 s = np.float32(0.0)
