@@ -1,8 +1,9 @@
 """k_attn_mma, prompt attention on the tensor cores, against float64, under numba's CUDA simulator.
 
 Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk) prefill a
-chunk of rows after a context whose K/V are random, at a split of 8 positions, so that a row merges
-up to four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
+chunk of rows after a context whose K/V are random, at the smallest split the build allows (8
+positions under the simulator, 64 on a GPU: the context scales with it), so that a row merges up to
+four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
 the KV head's query heads. The attention output of the last layer must match float64 attention over
 the same q and pool to the level of q and the weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is
 ~3e-7, bf16 operands alone ~3e-3), and a row's output must keep its bits when the chunk is cut
@@ -43,6 +44,7 @@ def _case(tmp, arch: str) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
+    from decoder_service.model.cuda.kernels import TP
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.reference import attend
     from decoder_service.model.weights import f32_to_bf16, load_weights, to_float32
@@ -50,23 +52,24 @@ def _case(tmp, arch: str) -> dict:
 
     d = make_tiny_model(tmp, arch=arch, dtype="bfloat16", seed=5)
     cfg = ModelConfig.from_dir(d)
-    be = CudaBackend(cfg, load_weights(d, cfg, dtype="bfloat16", progress=False), KVPoolSpec(12, 4),
-                     max_rows=16, max_logit_rows=2, attn_split=8, attn_tile_from=4)
+    scale = TP // 8                    # positions scale with the smallest split: 8 simulated, 64 on a GPU
+    be = CudaBackend(cfg, load_weights(d, cfg, dtype="bfloat16", progress=False), KVPoolSpec(12, 4 * scale),
+                     max_rows=16, max_logit_rows=2, attn_split=TP, attn_tile_from=4)
     rng = np.random.default_rng(9)
     for pool in (be.kv_k, be.kv_v):
         pool.copy_to_device(f32_to_bf16(rng.standard_normal(pool.size).astype(np.float32)))
-    table = np.array([[7, 2, 9, 0, 11, 4, 1, 5]], np.int32)        # 32 positions, blocks out of order
-    L, nh, hd, R = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13
+    table = np.array([[7, 2, 9, 0, 11, 4, 1, 5]], np.int32)        # 32 x scale positions, blocks out of order
+    L, nh, hd, R, start = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13, 17 * scale
 
     def prefill(first: int, rows: int) -> np.ndarray:
-        """Rows first .. first + rows - 1 of the chunk at positions 17 ..; the last layer's output."""
-        be.forward(StepBatch.from_chunks([(0, list(range(3 + first, 3 + first + rows)), 17 + first)], table))
+        """Rows first .. first + rows - 1 of the chunk at positions start ..; the last layer's output."""
+        be.forward(StepBatch.from_chunks([(0, list(range(3 + first, 3 + first + rows)), start + first)], table))
         return be.att.copy_to_host()[: rows * be.kp_q].reshape(rows, be.kp_q)[:, : nh * hd].copy()
 
     whole = prefill(0, R)
     q = be.qkv.copy_to_host()[: R * be.dqkv].reshape(R, be.dqkv)[:, : nh * hd].astype(np.float64)
     k, v = (to_float32(np.ascontiguousarray(a[L - 1]), "bfloat16").astype(np.float64) for a in be.kv_cache())
-    ref = np.stack([attend(k, v, table[0], 17 + r, q[r].reshape(nh, hd)).reshape(-1) for r in range(R)])
+    ref = np.stack([attend(k, v, table[0], start + r, q[r].reshape(nh, hd)).reshape(-1) for r in range(R)])
     prefill(0, 5)                      # the same chunk cut after row 5: rows 5.. land in other tiles
     rest = prefill(5, R - 5)
     return dict(kernel=be.layers[0]["attn_tiles"].kernel.name,
