@@ -2,16 +2,19 @@
 sm_90, and whether a kernel's PTX is that of another checkout.
 
     python3 bench/ptx_report.py k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16] [--sass]
+                                [--max-registers N]
 
 numba compiles each kernel's Python source to PTX (`cuda.compile_ptx`, which needs NVRTC: the
 `nvidia-cuda-nvrtc` wheel or a CUDA toolkit) and `ptxas -arch=sm_90 -v` (from a CUDA toolkit, found
 on PATH or under /usr/local/cuda*/bin) reports its resources. Kernels compile without their register
-caps here (a cap is a launch-time JIT option). With --against, the same kernels are compiled from the
-other checkout (its resources printed too) and compared: "identical" (the same PTX, names aside),
-"same instructions" (the same instructions in another order or with other register numbers), or
-"different". The perf log's "PTX unchanged" claims come from this. With --sass, `cuobjdump -sass` (the `nvidia-cuda-cuobjdump` and
-`nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine instructions: in all, and in the body
-of each loop of 60 or more (perf log m5, m6: numba's 64-bit index arithmetic shows up here).
+caps here (a cap is a launch-time JIT option) unless --max-registers N gives ptxas one (e.g. 64, as
+k_attn_rows runs: its spills). With --against, the same kernels are compiled from the other checkout
+(its resources printed too) and compared: "identical" (the same PTX, names aside), "same
+instructions" (the same instructions in another order or with other register numbers), or
+"different". The perf log's "PTX unchanged" claims come from this. With --sass, `cuobjdump -sass`
+(the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine
+instructions: in all, and in the body of each loop of 60 or more (perf log m5, m6: numba's 64-bit
+index arithmetic shows up here).
 """
 from __future__ import annotations
 
@@ -48,27 +51,29 @@ def tool(name: str) -> str:
     return found
 
 
-def assemble(ptx: str, cubin: str) -> str:
-    """ptxas -v for sm_90 into `cubin` ("/dev/null" for none); its report (stderr)."""
+def assemble(ptx: str, cubin: str, cap: int = 0) -> str:
+    """ptxas -v for sm_90 into `cubin` ("/dev/null" for none), under a register cap (0: none); its
+    report (stderr)."""
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        return subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", f.name, "-o", cubin], capture_output=True,
-                              text=True, check=True).stderr
+        limit = [f"-maxrregcount={cap}"] if cap else []
+        return subprocess.run([tool("ptxas"), "-arch=sm_90", "-v", *limit, f.name, "-o", cubin],
+                              capture_output=True, text=True, check=True).stderr
 
 
-def resources(ptx: str) -> str:
+def resources(ptx: str, cap: int = 0) -> str:
     """ptxas -v's registers / spill / shared-memory lines for one kernel's PTX."""
-    err = assemble(ptx, "/dev/null")
+    err = assemble(ptx, "/dev/null", cap)
     keep = [ln.split("info    : ")[-1].strip() for ln in err.splitlines() if "registers" in ln or "spill" in ln]
     return "; ".join(keep)
 
 
-def sass(ptx: str) -> str:
+def sass(ptx: str, cap: int = 0) -> str:
     """The kernel's machine instructions (`cuobjdump -sass` of its sm_90 cubin), summarized."""
     with tempfile.TemporaryDirectory() as d:
         cubin = f"{d}/k.cubin"
-        assemble(ptx, cubin)
+        assemble(ptx, cubin, cap)
         text = subprocess.run([tool("cuobjdump"), "-sass", cubin], capture_output=True, text=True,
                               check=True).stdout
     return sass_summary(text)
@@ -115,17 +120,19 @@ def main() -> None:
     ap.add_argument("--against", type=Path, help="another checkout to compare the PTX with")
     ap.add_argument("--storage", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--sass", action="store_true", help="count machine instructions (cuobjdump)")
+    ap.add_argument("--max-registers", type=int, default=0, help="ptxas's register cap (0: none)")
     args = ap.parse_args()
+    cap = args.max_registers
     here = compile_ptx(ROOT, args.kernels, args.storage)
     there = compile_ptx(args.against.resolve(), args.kernels, args.storage) if args.against else {}
     for name in args.kernels:
-        line = f"{name}: {resources(here[name])}"
+        line = f"{name}: {resources(here[name], cap)}"
         if there:
-            line += f" | against {args.against}: {compare(there[name], here[name])}; {resources(there[name])}"
+            line += f" | against {args.against}: {compare(there[name], here[name])}; {resources(there[name], cap)}"
         if args.sass:
-            line += f" | SASS: {sass(here[name])}"
+            line += f" | SASS: {sass(here[name], cap)}"
             if there:
-                line += f" (against: {sass(there[name])})"
+                line += f" (against: {sass(there[name], cap)})"
         print(line, flush=True)
 
 
