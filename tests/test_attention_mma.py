@@ -1,4 +1,4 @@
-"""k_attn_mma, prompt attention on the tensor cores, against float64, under numba's CUDA simulator.
+"""k_attn_mma, prompt attention on the tensor cores, against float64 (numba's CUDA simulator, or a GPU).
 
 Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk) prefill a
 chunk of rows after a context whose K/V are random, at the smallest split the build allows (8
