@@ -24,14 +24,21 @@ class BlockManager:
         self.refs[blocks] = 1
         return blocks
 
-    def share(self, blocks: list[int]) -> None:
+    def share(self, blocks) -> None:
+        """One more reference to each of these distinct blocks (a catalog's prefix, per request)."""
         self.refs[blocks] += 1
 
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds go back to the free list."""
-        for b in blocks:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                self.free.append(int(b))
-            elif self.refs[b] < 0:
-                raise RuntimeError(f"KV block {b} released more often than held")
+    def release(self, blocks) -> None:
+        """Drop one reference to each of these distinct blocks; those nobody holds go back to the free
+        list, in the order given. Vectorised: a request on a 4,955-token catalog holds 310 prefix
+        blocks, and a Python loop over them cost ~0.1-0.3 ms of every answer's last step. A block
+        released more often than held raises and leaves every count as it was."""
+        blocks = np.asarray(blocks, np.intp)
+        if blocks.size == 0:
+            return
+        self.refs[blocks] -= 1
+        left = self.refs[blocks]
+        if left.min() < 0:
+            self.refs[blocks] += 1
+            raise RuntimeError(f"KV block {int(blocks[np.argmax(left < 0)])} released more often than held")
+        self.free.extend(blocks[left == 0].tolist())

@@ -50,6 +50,12 @@ class CatalogRuntime:
         return int(self.trie.meta["max_pointer_tokens"]) + 1
 
     @cached_property
+    def max_fanout(self) -> int:
+        """The trie's widest node (the device sampler's candidate bound), taken once: the sampler asks
+        every step, and the scan over a 4,000-tool trie's nodes costs tens of µs."""
+        return self.trie.max_fanout()
+
+    @cached_property
     def name_index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.trie.pointer_names)}
 

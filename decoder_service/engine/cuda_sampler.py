@@ -330,7 +330,7 @@ class DeviceSampler:
         n = len(seqs)
         allow_total = sum(len(s.allow) for s in seqs if not s.allow_all)
         if (n > self.be.max_logit_rows or allow_total > self.max_allow
-                or any(s.catalog.trie.max_fanout() > self.be.max_candidates or s.k > self.max_k for s in seqs)):
+                or any(s.catalog.max_fanout > self.be.max_candidates or s.k > self.max_k for s in seqs)):
             return self.fallback.choose(seqs)
         for seq in seqs:
             self._register(seq.catalog)

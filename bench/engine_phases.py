@@ -1,0 +1,108 @@
+"""Where a concurrency-1 query's steps spend their wall clock: the host's parts and the device wait.
+
+    python3 bench/engine_phases.py [--workload metatool] [--queries 40]
+
+The engine is serial with the device: a step plans, stages and enqueues the forward pass, enqueues the
+sampler, then waits for the device (the sampler's stream synchronisation) and advances on the host.
+Queries run one at a time on the calling thread (CUDA backend on a GPU, the CPU backend elsewhere;
+SmolLM2: its real weights where present, random bf16 at its shape otherwise), each engine method below timed by a wrapper; a step's host
+time is its wall clock less that wait. Prefill and decode steps are reported apart (µs, the mean over
+the steps: the last step of an answer also completes it).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.__main__ import BLOCK, MAX_SEQS, has_gpu, make_backend, model_for  # noqa: E402
+from bench.workload import load_workload  # noqa: E402
+from decoder_service.engine.engine import DecodeEngine, EngineConfig  # noqa: E402
+from decoder_service.engine.sequence import State  # noqa: E402
+from decoder_service.model.batch import StepBatch  # noqa: E402
+from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
+from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
+from shared.tokenizer import ModelTokenizer  # noqa: E402
+
+# Nested: forward holds validate, stage and replay; sampler holds wait; advance holds complete (and
+# that, release).
+PHASES = ("plan", "batch", "forward", "validate", "stage", "replay", "sampler", "wait", "advance", "complete",
+          "release")
+
+
+class Clock:
+    """Per-step sums of the wrapped calls' durations."""
+
+    def __init__(self):
+        self.step = defaultdict(float)
+
+    def wrap(self, obj, attr: str, phase: str) -> None:
+        fn = getattr(obj, attr)
+
+        def timed(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.step[phase] += time.perf_counter() - t
+        setattr(obj, attr, timed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="metatool")
+    p.add_argument("--queries", type=int, default=40)
+    args = p.parse_args()
+    gpu = has_gpu()
+    tok = ModelTokenizer(DEFAULT_MODEL_DIR)
+    trie, queries = load_workload(args.workload, tok, args.queries)
+    cfg, weights, what = model_for("smollm2-135m", gpu)
+    spec = KVPoolSpec.from_tokens(8192 + MAX_SEQS * 512, BLOCK)
+    be = make_backend(cfg, weights, spec, gpu, max_table=MAX_SEQS * -(-cfg.max_position_embeddings // BLOCK))
+    engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
+                          EngineConfig(max_seqs=MAX_SEQS))
+    rt = engine.load_catalog(trie)
+    engine.run_until_idle()
+    clock = Clock()
+    for obj, attr, phase in ((engine.scheduler, "plan", "plan"), (engine, "_batch", "batch"),
+                             (be, "forward", "forward"), (engine.sampler, "choose", "sampler"),
+                             (engine, "_advance", "advance"), (engine, "_complete", "complete"),
+                             (engine.scheduler, "release", "release"), (StepBatch, "validate", "validate")):
+        clock.wrap(obj, attr, phase)
+    if gpu:                                 # the CUDA backend's staging, graph replay, and the wait
+        from decoder_service.model.cuda.launcher import Graph
+        clock.wrap(be, "stage", "stage")
+        clock.wrap(Graph, "replay", "replay")
+        clock.wrap(be.stream, "synchronize", "wait")
+    rows = {"prefill": defaultdict(list), "decode": defaultdict(list)}
+    for q in queries:
+        seq = engine.submit(rt, q.intent, q.k)
+        while seq.state != State.FINISHED:
+            kind = "decode" if seq.state == State.DECODE else "prefill"
+            clock.step.clear()
+            t = time.perf_counter()
+            engine.step()
+            total = time.perf_counter() - t
+            for ph in PHASES:
+                rows[kind][ph].append(clock.step[ph])
+            rows[kind]["step"].append(total)
+            rows[kind]["host"].append(total - clock.step["wait"])
+    print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
+          f"({what} weights): µs a step, mean (sampler includes wait; forward is its host call; nested phases in the note above PHASES)")
+    cols = ("step", "host", *PHASES)
+    print("| step | n | " + " | ".join(cols) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in cols) + " |")
+    for kind, r in rows.items():
+        if r["step"]:
+            print(f"| {kind} | {len(r['step'])} | "
+                  + " | ".join(f"{statistics.fmean(r[c]) * 1e6:.0f}" for c in cols) + " |")
+
+
+if __name__ == "__main__":
+    main()
