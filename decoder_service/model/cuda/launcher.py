@@ -38,9 +38,11 @@ else:  # pragma: no cover - names only used on a real device
 # launches them plainly (for A/B measurements); the bits are the same either way.
 PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
-# Shared-memory carveout (percent of the SM's unified L1/shared given to shared memory) set on every
-# kernel, so consecutive kernels ask the SM for the same split: unset, the driver picks one per kernel.
-CARVEOUT = os.environ.get("TOOLTRIE_CARVEOUT")
+# Shared-memory carveout (percent of the SM's unified L1/shared given to shared memory): "N" sets it on
+# every kernel, "name=N,name=N" on those kernels; unset, the driver picks one per kernel.
+_CARVE = os.environ.get("TOOLTRIE_CARVEOUT", "")
+CARVEOUT = {n: int(v) for n, _, v in (i.partition("=") for i in _CARVE.split(",")) if v} if "=" in _CARVE \
+    else ({"*": int(_CARVE)} if _CARVE else {})
 
 
 class CudaError(RuntimeError):
@@ -116,9 +118,10 @@ class Kernel:
             self.func = handle
         else:  # a CUkernel (library API): its function in the current context
             self.func = check(drv.cuKernelGetFunction(handle), f"cuKernelGetFunction({name})")
-        if CARVEOUT is not None:
+        carve = CARVEOUT.get(name, CARVEOUT.get("*"))
+        if carve is not None:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
-            check(drv.cuFuncSetAttribute(self.func, attr, int(CARVEOUT)), f"cuFuncSetAttribute({name})")
+            check(drv.cuFuncSetAttribute(self.func, attr, carve), f"cuFuncSetAttribute({name})")
 
     def occupancy(self, block: int, shmem: int) -> int:
         """Resident blocks per SM for this block size and dynamic shared memory."""
