@@ -2,12 +2,13 @@
 
     python3 bench/engine_phases.py [--workload metatool] [--queries 40]
 
-The engine is serial with the device: a step plans, stages and enqueues the forward pass, enqueues the
-sampler, then waits for the device (the sampler's stream synchronisation) and advances on the host.
-Queries run one at a time on the calling thread (CUDA backend on a GPU, the CPU backend elsewhere;
-SmolLM2: its real weights where present, random bf16 at its shape otherwise), each engine method below timed by a wrapper; a step's host
-time is its wall clock less that wait. Prefill and decode steps are reported apart (µs, the mean over
-the steps: the last step of an answer also completes it).
+The engine is serial with the device: a step plans, stages and enqueues the forward pass, enqueues
+the sampler, then waits for the device (the sampler's stream synchronisation) and advances on the
+host. Queries run one at a time on the calling thread (the CUDA backend on a GPU, the CPU backend
+elsewhere; SmolLM2's real weights where present, random bf16 at its shape otherwise), the engine
+methods in PHASES timed by wrappers; a step's host time is its wall clock less that wait. Prefill
+and decode steps are reported apart (µs, the mean over the steps: an answer's last step also
+completes it).
 """
 from __future__ import annotations
 
@@ -94,7 +95,7 @@ def main() -> None:
             rows[kind]["step"].append(total)
             rows[kind]["host"].append(total - clock.step["wait"])
     print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
-          f"({what} weights): µs a step, mean (sampler includes wait; forward is its host call; nested phases in the note above PHASES)")
+          f"({what} weights): µs a step, mean (forward is its host call; phases nest as PHASES says)")
     cols = ("step", "host", *PHASES)
     print("| step | n | " + " | ".join(cols) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in cols) + " |")

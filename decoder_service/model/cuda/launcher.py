@@ -38,11 +38,20 @@ else:  # pragma: no cover - names only used on a real device
 # launches them plainly (for A/B measurements); the bits are the same either way.
 PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
-# Shared-memory carveout (percent of the SM's unified L1/shared given to shared memory): "N" sets it on
-# every kernel, "name=N,name=N" on those kernels; unset, the driver picks one per kernel.
-_CARVE = os.environ.get("TOOLTRIE_CARVEOUT", "")
-CARVEOUT = {n: int(v) for n, _, v in (i.partition("=") for i in _CARVE.split(",")) if v} if "=" in _CARVE \
-    else ({"*": int(_CARVE)} if _CARVE else {})
+
+def parse_carveout(text: str) -> dict:
+    """TOOLTRIE_CARVEOUT, for A/B measurements (perf log c1): the preferred shared-memory carveout, in
+    percent of the SM's unified L1/shared, as "N" for every kernel ({"*": N}) or "name=N,name=N" for
+    those kernels; empty: none set (the driver picks one per kernel)."""
+    items = [i.strip() for i in text.split(",") if i.strip()]
+    pairs = [("*", items[0])] if len(items) == 1 and "=" not in items[0] else [i.partition("=")[::2] for i in items]
+    if any(not name or not value.isdigit() or int(value) > 100 for name, value in pairs):
+        raise ValueError(f"TOOLTRIE_CARVEOUT={text!r}: expected one percent 0-100 for every kernel (\"44\") "
+                         f"or kernel=percent pairs (\"k_attn_rows=28,k_gemv=50\")")
+    return {name: int(value) for name, value in pairs}
+
+
+CARVEOUT = parse_carveout(os.environ.get("TOOLTRIE_CARVEOUT", ""))
 
 
 class CudaError(RuntimeError):
