@@ -2,9 +2,9 @@
 
     python3 bench/engine_phases.py [--workload metatool] [--queries 40]
 
-The engine is serial with the device: a step plans, stages and enqueues the forward pass, enqueues
-the sampler, then waits for the device (the sampler's stream synchronisation) and advances on the
-host. Queries run one at a time on the calling thread (the CUDA backend on a GPU, the CPU backend
+A step plans, stages and enqueues the forward pass and the sampler (or takes the step launched
+ahead), enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits for
+this step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one at a time on the calling thread (the CUDA backend on a GPU, the CPU backend
 elsewhere; SmolLM2's real weights where present, random bf16 at its shape otherwise), the engine
 methods in PHASES timed by wrappers; a step's host time is its wall clock less that wait. Prefill
 and decode steps are reported apart (µs, the mean over the steps: an answer's last step also
@@ -31,10 +31,10 @@ from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
 from shared.tokenizer import ModelTokenizer  # noqa: E402
 
-# Nested: forward holds validate, stage and replay; sampler holds wait; advance holds complete (and
-# that, release).
-PHASES = ("plan", "batch", "forward", "validate", "stage", "replay", "sampler", "wait", "advance", "complete",
-          "release")
+# Nested: forward holds validate, stage and replay; ahead holds a forward and a sampler; advance holds
+# complete (and that, release).
+PHASES = ("plan", "batch", "forward", "validate", "stage", "replay", "sampler", "ahead", "wait", "advance",
+          "complete", "release")
 
 
 class Clock:
@@ -72,15 +72,18 @@ def main() -> None:
     engine.run_until_idle()
     clock = Clock()
     for obj, attr, phase in ((engine.scheduler, "plan", "plan"), (engine, "_batch", "batch"),
-                             (be, "forward", "forward"), (engine.sampler, "choose", "sampler"),
-                             (engine, "_advance", "advance"), (engine, "_complete", "complete"),
-                             (engine.scheduler, "release", "release"), (StepBatch, "validate", "validate")):
+                             (be, "forward", "forward"), (engine.sampler, "start", "sampler"),
+                             (engine, "_launch_ahead", "ahead"), (engine, "_advance", "advance"),
+                             (engine, "_complete", "complete"), (engine.scheduler, "release", "release"),
+                             (StepBatch, "validate", "validate")):
         clock.wrap(obj, attr, phase)
     if gpu:                                 # the CUDA backend's staging, graph replay, and the wait
+        from decoder_service.engine import cuda_sampler
         from decoder_service.model.cuda.launcher import Graph
         clock.wrap(be, "stage", "stage")
         clock.wrap(Graph, "replay", "replay")
-        clock.wrap(be.stream, "synchronize", "wait")
+        clock.wrap(engine.sampler, "follow", "sampler")
+        clock.wrap(cuda_sampler, "event_wait_host", "wait")
     rows = {"prefill": defaultdict(list), "decode": defaultdict(list)}
     for q in queries:
         seq = engine.submit(rt, q.intent, q.k)
@@ -95,7 +98,8 @@ def main() -> None:
             rows[kind]["step"].append(total)
             rows[kind]["host"].append(total - clock.step["wait"])
     print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
-          f"({what} weights): µs a step, mean (forward is its host call; phases nest as PHASES says)")
+          f"({what} weights), {engine.steps_ahead} steps launched ahead: µs a step, mean (forward is its "
+          "host call; phases nest as PHASES says)")
     cols = ("step", "host", *PHASES)
     print("| step | n | " + " | ".join(cols) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in cols) + " |")

@@ -28,6 +28,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["DecoderService"].full_name
 QUEUE_DEPTH = Gauge("tooltrie_decoder_queue_depth", "Discover requests waiting for admission")
 RUNNING = Gauge("tooltrie_decoder_running_batch", "Sequences in the running batch")
 KV_USED = Gauge("tooltrie_decoder_kv_blocks_used", "KV pool blocks in use")
+STEPS_AHEAD = Gauge("tooltrie_decoder_steps_ahead", "Steps launched before the previous step's picks were read, "
+                    "since start")
 FIRST_POINTER = Histogram("tooltrie_time_to_first_pointer_seconds", "From request to its first tool name")
 STEP_SECONDS = Histogram("tooltrie_decode_step_seconds", "One engine step (forward pass and sampler)")
 REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code", ["code"])
@@ -128,6 +130,7 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         QUEUE_DEPTH.set(engine.queue_depth())
         RUNNING.set(len(engine.scheduler.running))
         KV_USED.set(engine.blocks.num_blocks - engine.blocks.num_free)
+        STEPS_AHEAD.set(engine.steps_ahead)
 
 
 def serve(settings: Settings | None = None) -> None:

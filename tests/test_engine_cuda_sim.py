@@ -8,11 +8,14 @@ real GPU the `gpu` test runs the same script on the real CUDA backend.
 
 Checks: the same requests give the host sampler's names, with log-probabilities equal to float64
 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
-one read from the global arena); a stale constant-memory binding fails the requests loudly
+one read from the global arena), served together and one at a time: either way the engine launches
+steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
+them), and the host sampler never does; a stale constant-memory binding fails the requests loudly
 (INTERNAL), never with a plausible answer.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -27,6 +30,8 @@ def run(sim: bool) -> dict:
 
 def check(result: dict) -> None:
     assert result["requests"] >= 8 and result["differences"] == [], result["differences"][:3]
+    host, batched, alone = result["steps_ahead"]  # the host sampler's picks cannot feed a step ahead
+    assert host == 0 and batched > 0 and alone > 0, result["steps_ahead"]
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
     assert result["stale"] and all("stale or corrupted trie" in m or "empty mask" in m for m in result["stale"])
 
@@ -59,7 +64,9 @@ class CpuModelDeviceHead:
         self.ncand = cuda.to_device(__import__("numpy").zeros(max_logit_rows, "int32"))
         self.sparse = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "float32"))
 
-    def forward(self, batch):
+    def forward(self, batch, device_tokens=None):
+        if device_tokens is not None:  # the CUDA backend copies them in stream order; here, now
+            batch = dataclasses.replace(batch, tokens=device_tokens.copy_to_host()[:batch.num_rows].copy())
         self.cpu.forward(batch)
 
     def sparse_logits(self, cand, n):
@@ -116,7 +123,7 @@ def main() -> None:
         trie.meta.update(name="demo", version=version)
     requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]
 
-    def serve(sampler, stale=False):
+    def serve(sampler, stale=False, one_at_a_time=False):
         engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
         engine.sampler = sampler
         catalogs = [engine.load_catalog(t) for t in tries]
@@ -126,8 +133,13 @@ def main() -> None:
                 sampler._register(rt)
             if stale:  # constant memory holds version 1 while the sampler believes version 2 is there
                 sampler.constant.bind(catalogs[1].key, cs.pack_trie(tries[0]), backend.stream)
-        seqs = [engine.submit(catalogs[i % 2], intent, k) for i, (intent, k) in enumerate(requests * 2)]
+        seqs = []
+        for i, (intent, k) in enumerate(requests * 2):
+            seqs.append(engine.submit(catalogs[i % 2], intent, k))
+            if one_at_a_time:
+                engine.run_until_idle()
         engine.run_until_idle()
+        ahead[len(ahead)] = engine.steps_ahead
         out = []
         for seq in seqs:
             events = list(seq)
@@ -135,17 +147,20 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
+    ahead = {}  # steps launched ahead, by serve() call
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
-    differences = [f"{e} vs {g}" for e, g in zip(expected, got)
+    alone = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True)
+    differences = [f"{e} vs {g}" for e, g in [*zip(expected, got), *zip(expected, alone)]
                    if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
                    or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]
     resident = sum(1 for i in range(len(got)) if i % 2 == 1)
     stale = serve(cs.DeviceSampler(backend, HostSampler(backend)), stale=True)
     print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
-                                  "stale": [m for m in stale if isinstance(m, str)]}))
+                                  "stale": [m for m in stale if isinstance(m, str)],
+                                  "steps_ahead": [ahead[0], ahead[1], ahead[2]]}))
 
 
 if __name__ == "__main__":

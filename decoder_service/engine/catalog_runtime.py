@@ -14,7 +14,7 @@ from functools import cached_property
 import numpy as np
 
 from shared.prompt import PromptTemplate
-from shared.trie import Trie
+from shared.trie import STOP, Trie
 
 
 @dataclass
@@ -54,6 +54,14 @@ class CatalogRuntime:
         """The trie's widest node (the device sampler's candidate bound), taken once: the sampler asks
         every step, and the scan over a 4,000-tool trie's nodes costs tens of µs."""
         return self.trie.max_fanout()
+
+    @cached_property
+    def stop_nodes(self) -> np.ndarray:
+        """bool [nodes]: the nodes with a stop edge, where a row on its last pointer may end its answer."""
+        t = self.trie
+        ends = np.zeros(t.num_nodes, bool)
+        ends[np.searchsorted(t.node_edge_start, np.flatnonzero(t.edge_child == STOP), side="right") - 1] = True
+        return ends
 
     @cached_property
     def name_index(self) -> dict[str, int]:

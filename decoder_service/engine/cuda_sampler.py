@@ -19,11 +19,12 @@ emitted pointers are one flat int32 array with a row stride, so every argument i
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numba
 import numpy as np
 
-from decoder_service.model.cuda.launcher import Kernel, Launch, check  # applies the numpy 2.5 fix first
+from decoder_service.model.cuda.launcher import Kernel, Launch, check, event_wait_host, new_event  # numpy fix first
 from numba import cuda  # noqa: E402
 
 from shared.trie import SEP, STOP, Trie
@@ -195,8 +196,8 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, n
         stride //= 2
     if tid == 0:
         w = bi[0]
-        if w < 0:  # no candidate: k_mask's status says why; the row does not move
-            out_token[r] = -1
+        if w < 0:  # no candidate: k_mask's status says why; the row does not move, and its token is a
+            out_token[r] = 0  # valid id, as the next step's forward may read it before the host does
             out_edge[r] = -1
             return
         j = r * cmax + w
@@ -260,9 +261,10 @@ class ConstantTrie:
 class DeviceSampler:
     """The engine's sampler on a GPU backend: k_mask -> the backend's sparse head -> k_select.
 
-    The rows' trie state stays on the host (the engine's source of truth). A step stages it in one
-    pinned buffer, makes one copy in, three raw launches on the backend's stream, one copy out, and
-    one synchronisation. Every loaded catalog version has its packed trie in a global arena; the
+    The rows' trie state stays on the host (the engine's source of truth). `start` stages it in one
+    pinned buffer, makes one copy in, three raw launches on the backend's stream and one copy out;
+    `finish` waits for that copy. `follow` enqueues the same rows' next choice from the state k_select
+    left on the device, before the host has read the previous picks (the engine's step ahead). Every loaded catalog version has its packed trie in a global arena; the
     newest version that fits 64 KiB is resident in constant memory and its rows read from there. A
     step the kernels cannot take whole (a node wider than the backend's candidate buffer, a k or an
     allowlist past the staging buffers) goes to the host sampler, which tiles: no candidate is dropped.
@@ -287,10 +289,15 @@ class DeviceSampler:
         dev_fields = {f: self.dev_in[i * n:(i + 1) * n] for i, f in enumerate(self.FIELDS)}
         emitted = self.dev_in[self._o_emitted:self._o_allow]
         allow = self.dev_in[self._o_allow:]
-        # outputs: status | token | edge (int32), and the log-probabilities
-        self.host_out, self.dev_out = pin(3 * n, np.int32), cuda.device_array(3 * n, np.int32)
+        # outputs: status | token | edge (int32), and the log-probabilities; two host copies, used in
+        # turn, so that the next step's picks can arrive while the host reads this step's
+        self.dev_out, self.dev_logprob = cuda.device_array(3 * n, np.int32), cuda.device_array(n, np.float64)
+        self.host_out = [pin(3 * n, np.int32) for _ in range(2)]
+        self.host_logprob = [pin(n, np.float64) for _ in range(2)]
+        self.out_ready = [new_event() for _ in range(2)]
+        self._next_out = 0
         status, token, edge = (self.dev_out[i * n:(i + 1) * n] for i in range(3))
-        self.host_logprob, self.dev_logprob = pin(n, np.float64), cuda.device_array(n, np.float64)
+        self.dev_token = token
         cand = [cuda.device_array(n * c, np.int32) for _ in range(3)]  # child, lo, edge of each candidate
         done = cuda.device_array(n, np.int32)
         st = backend.stream.handle
@@ -325,8 +332,9 @@ class DeviceSampler:
         another version is bound: nothing reads it once no row names it)."""
         self.packed.pop(catalog.key, None)
 
-    def choose(self, seqs) -> list:
-        from decoder_service.engine.sampler import Pick, empty_mask_message
+    def start(self, seqs) -> "DevicePicks | list":
+        """Enqueue the choice for `seqs` (their trie state staged from the host); the host sampler's
+        picks, computed now, for a step the kernels cannot take whole."""
         n = len(seqs)
         allow_total = sum(len(s.allow) for s in seqs if not s.allow_all)
         if (n > self.be.max_logit_rows or allow_total > self.max_allow
@@ -347,15 +355,51 @@ class DeviceSampler:
             if not seq.allow_all:
                 self.host_in[self._o_allow + offset:self._o_allow + offset + len(seq.allow)] = seq.allow
                 offset += len(seq.allow)
-        stream = self.be.stream
-        stream.h2d(self.dev_in, self.host_in, self._o_allow + offset)
+        self.be.stream.h2d(self.dev_in, self.host_in, self._o_allow + offset)
+        return self._enqueue(seqs)
+
+    def follow(self, picks: "DevicePicks") -> "DevicePicks":
+        """Enqueue the next choice for the same rows from the trie state `picks`' k_select left on the
+        device (node, emitted pointers): nothing is staged, so it may run before the host reads `picks`."""
+        return self._enqueue(picks.seqs)
+
+    @staticmethod
+    def next_tokens(picks):
+        """The device buffer holding the picked tokens (row i: row i's), for the next step's forward;
+        None for picks made on the host. A row with no candidate holds token 0 there, a valid id."""
+        return picks.tokens if isinstance(picks, DevicePicks) else None
+
+    def _enqueue(self, seqs) -> "DevicePicks":
+        """k_mask, the sparse head and k_select for rows 0..n-1, then their copy out into the host buffers
+        not used by the step before (a step may be enqueued while the host still reads the previous one)."""
+        n, b = len(seqs), self._next_out
+        self._next_out ^= 1
         self.launch_mask.launch(n)
         self.be.launch_sparse(n)
         self.launch_select.launch(n)
-        stream.d2h(self.host_out, self.dev_out, len(self.host_out))
-        stream.d2h(self.host_logprob, self.dev_logprob, n)
-        stream.synchronize()
-        rows = self.be.max_logit_rows
-        status, token, edge = (self.host_out[i * rows:i * rows + n] for i in range(3))
-        return [Pick(int(edge[i]), int(token[i]), float(self.host_logprob[i])) if status[i] == OK
-                else empty_mask_message(seq) for i, seq in enumerate(seqs)]
+        stream = self.be.stream
+        stream.d2h(self.host_out[b], self.dev_out, len(self.host_out[b]))
+        stream.d2h(self.host_logprob[b], self.dev_logprob, n)
+        stream.record(self.out_ready[b])
+        return DevicePicks(seqs, b, self.dev_token)
+
+    def finish(self, picks) -> list:
+        """Wait for enqueued picks (host-sampler picks are returned as they are): a Pick per row, or a
+        message saying why there is none."""
+        from decoder_service.engine.sampler import Pick, empty_mask_message
+        if not isinstance(picks, DevicePicks):
+            return picks
+        event_wait_host(self.out_ready[picks.buffer])
+        rows, out, logprob = self.be.max_logit_rows, self.host_out[picks.buffer], self.host_logprob[picks.buffer]
+        n = len(picks.seqs)
+        status, token, edge = (out[i * rows:i * rows + n] for i in range(3))
+        return [Pick(int(edge[i]), int(token[i]), float(logprob[i])) if status[i] == OK
+                else empty_mask_message(seq) for i, seq in enumerate(picks.seqs)]
+
+
+class DevicePicks(NamedTuple):
+    """A choice enqueued on the device: its rows, the host buffers its picks arrive in, and the device
+    buffer of its tokens."""
+    seqs: list
+    buffer: int
+    tokens: object

@@ -12,6 +12,12 @@ cuda_sampler.DeviceSampler):
 then the engine advances each row on its own host copy of the trie, refusing a token that is not the
 chosen edge of the current node, streams a completed pointer, and after the last one walks the whole
 answer through the trie again. Any mismatch fails the request: never a plausible wrong answer.
+
+Stepping ahead: with the device sampler, the picked tokens and the rows' trie state are on the device
+before the host reads them, so where the next step can only be the same rows one token further, the
+engine enqueues it first, its tokens copied on the device, and reads this step's picks while it runs:
+the host's share of a step (planning, staging, reading, advancing) overlaps the device's. Its rows
+compute exactly what the step planned after the read would, so no answer depends on it.
 """
 from __future__ import annotations
 
@@ -66,6 +72,15 @@ class EngineConfig:
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
 
 
+@dataclasses.dataclass
+class Launched:
+    """A step enqueued on the device whose picks the host has not read yet."""
+    batch: StepBatch
+    sampling: list[Sequence]   # the rows that get a token, in logit-row order
+    picks: object              # the sampler's handle for them (sampler.finish reads it)
+    warmups: list[Sequence]    # catalog warm-ups whose prefix this step completes
+
+
 class DecodeEngine:
     def __init__(self, backend, tokenizer, num_blocks: int, block_size: int, max_positions: int,
                  config: EngineConfig = EngineConfig()):
@@ -88,6 +103,8 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self.sampler = make_sampler(backend, config.head)
+        self._ahead: Launched | None = None  # a step launched before the one before it was read
+        self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
@@ -190,39 +207,87 @@ class DecodeEngine:
                 self.sampler.forget(item)
 
     def has_work(self) -> bool:
-        return bool(self._inbox or self.scheduler.running or
+        return bool(self._inbox or self._ahead or self.scheduler.running or
                     any(s.warmup or s.catalog.ready.is_set() for s in self.scheduler.waiting))
 
     def step(self) -> bool:
-        """One scheduling step; returns False when there was nothing to do."""
+        """One scheduling step: launch the planned rows (or take the step already launched ahead),
+        launch the next step of the same rows ahead where nothing else waits for the device, then
+        read this step's picks and advance. Returns False when there was nothing to do."""
         with self._wake:
             self._drain_inbox()
         now = time.monotonic()
         self._expire(now)
         self.scheduler.admit(now)
-        chunks = self.scheduler.plan()
-        if not chunks:
-            return False
+        launched, self._ahead = self._ahead, None
+        if launched is None:
+            chunks = self.scheduler.plan()
+            if not chunks:
+                return False
+            launched = self._launch(chunks)
+        if self._can_step_ahead(launched):
+            self._ahead = self._launch_ahead(launched)
+            self.steps_ahead += 1
+        self._read(launched)
+        return True
+
+    def _launch(self, chunks) -> Launched:
+        """Enqueue the forward pass of the planned chunks and the sampler for the rows that get a token
+        (decode rows, and prompts whose last chunk this is)."""
         batch = self._batch(chunks)
-        sampling = []  # (logit row index in batch.logit_rows, sequence)
-        for i, (seq, toks, start) in enumerate(chunks):
+        sampling, rows, warmups = [], [], []
+        for i, (seq, toks, _) in enumerate(chunks):
             if seq.state == State.PREFILL:
                 seq.computed += len(toks)
-                if seq.computed == len(seq.prompt_ids):
-                    if seq.warmup:
-                        continue
-                    sampling.append((i, seq))
-            else:
-                sampling.append((i, seq))
-        logit_rows = batch.logit_rows[[i for i, _ in sampling]]
-        batch = dataclasses.replace(batch, logit_rows=np.ascontiguousarray(logit_rows, np.int32))
+                if seq.computed < len(seq.prompt_ids):
+                    continue
+                if seq.warmup:
+                    warmups.append(seq)
+                    continue
+            sampling.append(seq)
+            rows.append(i)
+        batch = dataclasses.replace(batch, logit_rows=np.ascontiguousarray(batch.logit_rows[rows], np.int32))
         self.backend.forward(batch)
-        if sampling:
-            self._sample([seq for _, seq in sampling])
-        for seq, _, _ in chunks:
-            if seq.warmup and seq.computed == len(seq.prompt_ids):
-                self._finish_warmup(seq)
-        return True
+        return Launched(batch, sampling, self.sampler.start(sampling) if sampling else [], warmups)
+
+    def _can_step_ahead(self, launched: Launched) -> bool:
+        """May the next step of `launched`'s rows be enqueued before its picks are read? Only where the
+        picks are on the device, the step holds every running sequence (none is left mid-prompt, no
+        request could be admitted instead), every row is still live, and some row cannot end at this
+        step (a step behind rows that all end would be wasted device time the next request waits for)."""
+        return (self.sampler.next_tokens(launched.picks) is not None and not self._inbox
+                and not (self.scheduler.waiting and self.scheduler.free_slots)
+                and len(launched.sampling) == len(self.scheduler.running)
+                and all(seq.state != State.FINISHED for seq in launched.sampling)
+                and not all(seq.may_stop() for seq in launched.sampling))
+
+    def _launch_ahead(self, launched: Launched) -> Launched:
+        """The next step of `launched`'s rows, enqueued before its picks are read: one decode row each at
+        the next position with the block tables it had, its token copied on the device from the sampler's
+        output, the sampler continuing from the trie state it left on the device. Every row's inputs
+        are those the step planned after reading the picks would have (rows in another order, which no
+        row's result depends on). A row that ends meanwhile has its pick dropped when read; its K/V write
+        lands in blocks whose next owner's steps are enqueued after this one, on the same stream."""
+        prev, n = launched.batch, len(launched.sampling)
+        rows = np.arange(n, dtype=np.int32)
+        batch = StepBatch(tokens=np.zeros(n, np.int32), slots=rows,
+                          positions=np.ascontiguousarray(prev.positions[prev.logit_rows] + 1, np.int32),
+                          block_tables=prev.block_tables, logit_rows=rows, decode_rows=n)
+        self.backend.forward(batch, device_tokens=self.sampler.next_tokens(launched.picks))
+        return Launched(batch, launched.sampling, self.sampler.follow(launched.picks), [])
+
+    def _read(self, launched: Launched) -> None:
+        """Wait for a step's picks and advance its rows (a row that ended while it ran is skipped), then
+        complete the catalog warm-ups it finished."""
+        for seq, pick in zip(launched.sampling, self.sampler.finish(launched.picks)):
+            if seq.state == State.FINISHED:
+                continue
+            if isinstance(pick, str):
+                self._fail(seq, FailedEvent("internal", pick))
+            else:
+                self._advance(seq, pick)
+        for seq in launched.warmups:
+            self._finish_warmup(seq)
 
     def _batch(self, chunks) -> StepBatch:
         """The step's rows, with block tables for just the sequences in it (table row i: chunk i's):
@@ -256,14 +321,6 @@ class DecodeEngine:
     def _fail(self, seq: Sequence, event: FailedEvent) -> None:
         self.scheduler.release(seq)
         seq.finish(event)
-
-    def _sample(self, seqs: list[Sequence]) -> None:
-        """Masked argmax for each sequence (host or device sampler), then the advance."""
-        for seq, pick in zip(seqs, self.sampler.choose(seqs)):
-            if isinstance(pick, str):
-                self._fail(seq, FailedEvent("internal", pick))
-            else:
-                self._advance(seq, pick)
 
     def _advance(self, seq: Sequence, pick: Pick) -> None:
         """Advance on the host's own trie by the sampler's token; a token that is not the chosen edge
@@ -330,6 +387,7 @@ class DecodeEngine:
                     self.on_step(time.perf_counter() - started)
             except Exception as e:  # noqa: BLE001 - a fault fails the running requests, not the engine
                 log.exception("engine step failed")
+                self._ahead = None
                 for seq in list(self.scheduler.running):
                     self._fail(seq, FailedEvent("internal", f"engine fault: {e}"))
                 worked = False

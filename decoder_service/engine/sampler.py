@@ -81,6 +81,19 @@ class HostSampler:
     def forget(self, catalog) -> None:
         """Nothing to drop: the host sampler reads each catalog's own trie."""
 
+    def start(self, seqs) -> list[Pick | str]:
+        """The engine's entry (the device sampler's only enqueues): the picks, computed now."""
+        return self.choose(seqs)
+
+    @staticmethod
+    def finish(picks: list[Pick | str]) -> list[Pick | str]:
+        return picks
+
+    @staticmethod
+    def next_tokens(picks) -> None:
+        """Host picks are not on the device: the engine cannot step ahead of them."""
+        return None
+
     def choose(self, seqs) -> list[Pick | str]:
         """A Pick per sequence, or a message saying why there is none."""
         edges_of, counts = [], np.zeros(len(seqs), np.int32)

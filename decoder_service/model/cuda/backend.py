@@ -1,7 +1,7 @@
 """CudaBackend: the model step on the GPU, in the interface of docs/model_runtime_interface.md.
 
 Host-level interface (same as the cpu backend and the reference):
-    forward(batch) -> None; dense_logits() -> float32 [N, V]; sparse_logits(cand, n) -> float32 [N, C]
+    forward(batch[, device_tokens]) -> None; dense_logits() -> float32 [N, V]; sparse_logits(cand, n) -> float32 [N, C]
     (forward replays a CUDA graph, captured once per launch shape, for a step of decode rows only)
 
 Device-level entries for the engine (no allocation, no host synchronisation; capturable):
@@ -565,15 +565,21 @@ class CudaBackend:
         self.stream.synchronize()
 
     # ------------------------------------------------------------------------------ host interface
-    def forward(self, batch: StepBatch) -> None:
+    def forward(self, batch: StepBatch, device_tokens=None) -> None:
         """Validate, stage and enqueue the step. A step of decode rows only (up to graph_rows) replays
         the graph captured for its launch shape, one cuGraphLaunch instead of 2 + 6L raw launches
         (~5 µs of host time each, GPU_NOTES); the graph runs the same kernels with the same
-        parameters, so the bits are those of the launches it replaces."""
+        parameters, so the bits are those of the launches it replaces.
+
+        device_tokens (a device int32 array) replaces batch.tokens with its first R entries, copied in
+        stream order: the engine feeds a step the tokens the previous step's sampler wrote on the
+        device before the host has read them."""
         self._ensure_context()
         batch.validate(self.spec.block_size, self.spec.num_blocks, self.cfg.vocab_size)
         self.stage(batch)
         R = self._R = batch.num_rows
+        if device_tokens is not None:
+            self.stream.d2d(self.tokens, device_tokens, R)
         N = self._N = len(batch.logit_rows)
         if not (batch.decode_rows == R <= self.graph_rows):
             self.launch_forward(R, N)

@@ -252,6 +252,16 @@ class Stream:
         check(drv.cuMemcpyDtoHAsync(dst.ctypes.data, dptr(src), count * dst.itemsize, self.handle),
               "cuMemcpyDtoHAsync")
 
+    def d2d(self, dst, src, count: int) -> None:
+        """dst[:count] = src[:count], both device arrays of one dtype (asynchronous, capturable)."""
+        if count <= 0:
+            return
+        if SIM:
+            dst[:count].copy_to_device(src[:count].copy_to_host())
+            return
+        check(drv.cuMemcpyDtoDAsync(dptr(dst), dptr(src), count * dst.dtype.itemsize, self.handle),
+              "cuMemcpyDtoDAsync")
+
     def memset0(self, dst) -> None:
         if SIM:
             dst.copy_to_device(np.zeros(dst.shape, dst.dtype))
