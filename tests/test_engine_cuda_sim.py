@@ -8,10 +8,11 @@ real GPU the `gpu` test runs the same script on the real CUDA backend.
 
 Checks: the same requests give the host sampler's names, with log-probabilities equal to float64
 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
-one read from the global arena), served together and one at a time: either way the engine launches
+one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
-them), and the host sampler never does; a stale constant-memory binding fails the requests loudly
-(INTERNAL), never with a plausible answer.
+them; never with the host sampler), and one at a time its answers equal, to the bit, those of an
+engine with step_ahead off. A stale constant-memory binding fails the requests loudly (INTERNAL),
+never with a plausible answer.
 """
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ def run(sim: bool) -> dict:
 
 def check(result: dict) -> None:
     assert result["requests"] >= 8 and result["differences"] == [], result["differences"][:3]
-    host, batched, alone = result["steps_ahead"]  # the host sampler's picks cannot feed a step ahead
-    assert host == 0 and batched > 0 and alone > 0, result["steps_ahead"]
+    host, batched, alone, off = result["steps_ahead"]  # the host sampler's picks cannot feed a step ahead
+    assert host == 0 and batched > 0 and alone > 0 and off == 0, result["steps_ahead"]
+    assert result["ahead_is_exact"]  # same names, same log-probabilities to the bit, with the setting off
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
     assert result["stale"] and all("stale or corrupted trie" in m or "empty mask" in m for m in result["stale"])
 
@@ -90,7 +92,7 @@ def main() -> None:
 
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
-    from decoder_service.engine.engine import DecodeEngine
+    from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
     from decoder_service.model.config import ModelConfig
@@ -123,8 +125,9 @@ def main() -> None:
         trie.meta.update(name="demo", version=version)
     requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]
 
-    def serve(sampler, stale=False, one_at_a_time=False):
-        engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
+    def serve(sampler, stale=False, one_at_a_time=False, step_ahead=True):
+        engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
+                              EngineConfig(step_ahead=step_ahead))
         engine.sampler = sampler
         catalogs = [engine.load_catalog(t) for t in tries]
         engine.run_until_idle()
@@ -152,6 +155,7 @@ def main() -> None:
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
     alone = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True)
+    in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True, step_ahead=False)
     differences = [f"{e} vs {g}" for e, g in [*zip(expected, got), *zip(expected, alone)]
                    if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
                    or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]
@@ -160,7 +164,8 @@ def main() -> None:
     print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
-                                  "steps_ahead": [ahead[0], ahead[1], ahead[2]]}))
+                                  "steps_ahead": [ahead[0], ahead[1], ahead[2], ahead[3]],
+                                  "ahead_is_exact": alone == in_turn}))
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ class EngineConfig:
     max_step_tokens: int = 2048    # most rows in one step
     max_intent_chars: int = 4000
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
+    step_ahead: bool = True        # enqueue the next step before reading the picks, where it can be (below)
 
 
 @dataclasses.dataclass
@@ -255,7 +256,7 @@ class DecodeEngine:
         picks are on the device, the step holds every running sequence (none is left mid-prompt, no
         request could be admitted instead), every row is still live, and some row cannot end at this
         step (a step behind rows that all end would be wasted device time the next request waits for)."""
-        return (self.sampler.next_tokens(launched.picks) is not None and not self._inbox
+        return (self.config.step_ahead and self.sampler.next_tokens(launched.picks) is not None and not self._inbox
                 and not (self.scheduler.waiting and self.scheduler.free_slots)
                 and len(launched.sampling) == len(self.scheduler.running)
                 and all(seq.state != State.FINISHED for seq in launched.sampling)
