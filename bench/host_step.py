@@ -35,6 +35,9 @@ class NullBackend:
     def forward(self, batch) -> None:
         batch.validate(BLOCK, NUM_BLOCKS, 49152)
 
+    def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
+        """No pool: nothing to copy."""
+
     def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
         return np.zeros(cand.shape, np.float32)
 

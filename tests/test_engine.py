@@ -153,6 +153,25 @@ def test_cancel_and_deadline_free_every_block(engine, catalog):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def test_the_prefix_tail_is_copied_and_released_with_its_version(engine, tok, catalog, monkeypatch):
+    """A request prefills only its own rows: the prefix's whole blocks are shared and the K/V of its
+    last partial block is copied in; releasing an idle version frees every block it held."""
+    assert catalog.tail_tokens > 0 and catalog.tail_block >= 0
+    rows = []
+    forward = engine.backend.forward
+    monkeypatch.setattr(engine.backend, "forward", lambda batch: (rows.append(batch.num_rows), forward(batch))[1])
+    seq = engine.submit(catalog, INTENTS[2], 2)
+    engine.run_until_idle()
+    assert rows[0] == len(seq.prompt_ids) - len(catalog.prefix_ids) and len(answer(seq)[0]) == 2
+    idle = engine.blocks.num_free
+    other = engine.load_catalog(metatool_trie(tok, first=12))
+    engine.run_until_idle()
+    assert engine.blocks.num_free == idle - len(other.held_blocks()) and other.tail_block in other.held_blocks()
+    engine.release_catalog(other)
+    engine.run_until_idle()
+    assert engine.blocks.num_free == idle
+
+
 def test_queue_bound_is_resource_exhausted(backend, tok, catalog):
     small = make_engine(backend, tok, NUM_BLOCKS, max_waiting=2)
     rt = small.load_catalog(catalog.trie)

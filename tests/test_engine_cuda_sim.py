@@ -74,6 +74,9 @@ class CpuModelDeviceHead:
     def sparse_logits(self, cand, n):
         return self.cpu.sparse_logits(cand, n)
 
+    def copy_kv(self, src_block, dst_block, count):
+        self.cpu.copy_kv(src_block, dst_block, count)
+
     def launch_sparse(self, n: int) -> None:
         import numpy as np
         c = self.max_candidates

@@ -12,8 +12,8 @@ argmax); the sparse head equals the dense head's logits for the same candidates 
 logits are bit-identical alone (a decode step alone replays a captured graph, and without a q/k norm
 runs RoPE in the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in
 k_rope_kv), and a prompt's last row is bit-identical
-whether the prompt is prefilled in one chunk or in two (other attention row tiles); the KV pool holds
-the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for the bf16
+whether the prompt is prefilled in one chunk or in two (other attention row tiles), and after a
+prefix's tail copied into another block (copy_kv) or in place; the KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for the bf16
 models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time (k_attn_rows);
 tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In the bf16
 models prompt rows run their matrices in k_gemm, decode rows in the GEMVs.
@@ -71,6 +71,7 @@ def _assert_case(res: dict, name: str) -> None:
     assert r["fused_rope"] == (not name.startswith("qwen3")), r
     assert r["graphs"] == 1, f"decode-only steps: {r['graphs']} graphs held, max_graphs=1"
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
+    assert r["tail_copy"], "prompt rows after a copied prefix tail (copy_kv) differ from the prefix in place"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
 
 
@@ -180,13 +181,22 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     vg = to_float32(np.ascontiguousarray(v[:, used]), w.dtype).astype(np.float64)
     kv_rel = [float(np.linalg.norm(kg - kr) / np.linalg.norm(kr)),
               float(np.linalg.norm(vg - vr) / np.linalg.norm(vr))]
+    # a copied prefix tail: slot 1's positions 4-5 (block 13) copied into a fresh block (19) of a table
+    # sharing slot 1's first block; the same prompt rows after it in both tables give the same bits
+    tail_bt = np.array([[5, 13, 1, 11], [5, 19, 20, 23]], np.int32)
+    more = rng.integers(3, cfg.vocab_size, 3).tolist()
+    be.forward(StepBatch.from_chunks([(0, more, 6)], tail_bt))
+    in_place = be.dense_logits()
+    be.copy_kv(13, 19, 2)
+    be.forward(StepBatch.from_chunks([(1, more, 6)], tail_bt))
+    tail_copy = bool(np.array_equal(be.dense_logits(), in_place))
     if (arch, dtype) == ("llama", "float32"):   # a 41-token context: 6 splits to merge
         long_bt = np.arange(12, dtype=np.int32)[None]
         long = rng.integers(3, cfg.vocab_size, 41).tolist()
         compare("prefill 20", StepBatch.from_chunks([(0, long[:20], 0)], long_bt))
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
     return dict(checks=checks, deterministic=deterministic, fused_rope=be.fused_rope, graphs=graphs,
-                chunk_invariant=chunk_invariant,
+                chunk_invariant=chunk_invariant, tail_copy=tail_copy,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 

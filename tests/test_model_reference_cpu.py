@@ -162,3 +162,20 @@ def test_backend_selection(tmp_path, monkeypatch):
     assert resolve_backend("auto") == "cpu"
     with pytest.raises(ModelError, match="backend 'cuda' was requested but numba's CUDA simulator is enabled"):
         resolve_backend("cuda")
+
+
+@pytest.mark.parametrize("model", ["cpu", "reference"])
+def test_a_copied_prefix_tail_gives_the_recomputed_logits(tmp_path, model):
+    """A catalog prefix's last partial block is copied into a request's first block (copy_kv): the
+    request's prompt rows after it get the bits they get after the prefix computed in place."""
+    cfg, w = _load(tmp_path, "llama", "float32", True)
+    backend = (CpuBackend if model == "cpu" else ReferenceModel)(cfg, w, SPEC)
+    rng = np.random.default_rng(5)
+    prefix, suffix = rng.integers(0, cfg.vocab_size, 10).tolist(), rng.integers(0, cfg.vocab_size, 5).tolist()
+    tables = np.array([[3, 7, 11, 14, -1], [3, 7, 20, 21, 22]], np.int32)  # two whole blocks shared, tail in 11
+    backend.forward(StepBatch.from_chunks([(0, prefix, 0)], tables))
+    backend.forward(StepBatch.from_chunks([(0, suffix, 10)], tables))
+    in_place = backend.dense_logits()
+    backend.copy_kv(11, 20, 2)
+    backend.forward(StepBatch.from_chunks([(1, suffix, 10)], tables))
+    np.testing.assert_array_equal(backend.dense_logits(), in_place)

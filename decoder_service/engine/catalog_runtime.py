@@ -1,9 +1,10 @@
 """One catalog version as the engine serves it: the trie, its prompt, and its shared prefix KV.
 
 The catalog prefix (the system text listing the tools) is the same for every request on a version,
-so its KV blocks are computed once and shared, reference-counted, by every request on it. Only
-whole blocks are shared; the prefix's last partial block is recomputed by each request as the first
-part of its own prompt.
+so its KV is computed once. Its whole blocks are shared, reference-counted, by every request on it;
+its last partial block (the tail) is kept in a block of the version's own, and each request starts
+with a copy of those positions in its first block (a few positions of K/V copied on the device
+instead of up to block_size - 1 prompt rows computed per request).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class CatalogRuntime:
     # KV of prefix_ids[:shared_tokens]; an int32 array, set once by the warm-up, so that every step's
     # block tables copy it as it is
     shared_blocks: np.ndarray = field(default_factory=lambda: np.empty(0, np.int32))
+    tail_block: int = -1  # KV of prefix_ids[shared_tokens:] at its first positions (-1: no tail)
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
 
@@ -43,6 +45,16 @@ class CatalogRuntime:
     def shared_tokens(self) -> int:
         """Prefix tokens whose KV lives in shared blocks (whole blocks only)."""
         return len(self.prefix_ids) // self.block_size * self.block_size
+
+    @property
+    def tail_tokens(self) -> int:
+        """Prefix tokens past the last whole block, copied into each request's first block."""
+        return len(self.prefix_ids) - self.shared_tokens
+
+    def held_blocks(self) -> np.ndarray:
+        """The blocks the version itself holds a reference to: the shared ones and the tail's."""
+        return np.append(self.shared_blocks, self.tail_block).astype(np.int32) if self.tail_block >= 0 \
+            else self.shared_blocks
 
     @property
     def max_output_tokens_per_pointer(self) -> int:

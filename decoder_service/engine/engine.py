@@ -121,17 +121,18 @@ class DecodeEngine:
         if len(rt.prefix_ids) >= self.max_positions:
             raise RequestError(f"catalog prefix of {len(rt.prefix_ids)} tokens does not fit the model's "
                                f"{self.max_positions} positions")
-        if rt.shared_tokens == 0:
+        if not rt.prefix_ids:
             rt.ready.set()
             return rt
         warm = Sequence(request_id=f"warmup:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
-                        prompt_ids=rt.prefix_ids[:rt.shared_tokens], k=0, allow=np.empty(0, np.int32),
+                        prompt_ids=rt.prefix_ids, k=0, allow=np.empty(0, np.int32),
                         allow_all=True, warmup=True)
         self._post(("submit", warm))
         return rt
 
     def release_catalog(self, rt: CatalogRuntime) -> None:
-        """Drop the version's own hold on its prefix blocks; they are freed when its last request ends."""
+        """Drop the version's own hold on its prefix blocks; the shared ones are freed when its last request
+        ends (a request holds no reference to the tail block: it copied the tail's K/V when admitted)."""
         self._post(("release_catalog", rt))
 
     # --- requests ------------------------------------------------------------------------------
@@ -204,7 +205,7 @@ class DecodeEngine:
             if kind == "submit":
                 self.scheduler.add(item)
             elif kind == "release_catalog":
-                self.blocks.release(item.shared_blocks)
+                self.blocks.release(item.held_blocks())
                 self.sampler.forget(item)
 
     def has_work(self) -> bool:
@@ -219,7 +220,8 @@ class DecodeEngine:
             self._drain_inbox()
         now = time.monotonic()
         self._expire(now)
-        self.scheduler.admit(now)
+        for seq in self.scheduler.admit(now):
+            self._copy_prefix_tail(seq)
         launched, self._ahead = self._ahead, None
         if launched is None:
             chunks = self.scheduler.plan()
@@ -302,10 +304,20 @@ class DecodeEngine:
         return StepBatch.from_chunks([(i, toks, start) for i, (_, toks, start) in enumerate(chunks)], tables,
                                      decodes)
 
+    def _copy_prefix_tail(self, seq: Sequence) -> None:
+        """A request admitted on a catalog starts after its prefix: the whole blocks are shared, and the
+        tail's K/V is copied (in stream order, before its prefill) into the request's first own block."""
+        rt = seq.catalog
+        if not seq.warmup and rt.tail_tokens:
+            self.backend.copy_kv(rt.tail_block, seq.blocks[0], rt.tail_tokens)
+            seq.computed += rt.tail_tokens
+
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog
-        # the version now holds the blocks' reference
-        rt.shared_blocks, seq.blocks = np.asarray(seq.blocks, np.int32), []
+        # the version now holds the blocks' reference: its whole blocks to share, then the tail's
+        blocks, whole = np.asarray(seq.blocks, np.int32), rt.shared_tokens // self.block_size
+        rt.shared_blocks, seq.blocks = blocks[:whole], []
+        rt.tail_block = int(blocks[whole]) if rt.tail_tokens else -1
         self.scheduler.release(seq)
         seq.state = State.FINISHED
         rt.warm_seconds = time.monotonic() - seq.t_submit

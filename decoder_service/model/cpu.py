@@ -276,6 +276,9 @@ class CpuBackend:
         self.hidden = np.empty((len(batch.logit_rows), cfg.hidden_size), np.float32)
         rms_norm(np.ascontiguousarray(x[batch.logit_rows]), w["final_norm"], eps, self.hidden)
 
+    def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
+        self.pool.copy_positions(src_block, dst_block, count)
+
     def dense_logits(self) -> np.ndarray:
         out = np.empty((len(self.hidden), self.cfg.vocab_size), np.float32)
         matmul_t(self.hidden, self.w["lm_head"], out)

@@ -82,3 +82,8 @@ class HostKVPool:
                              f"{avail / 2**30:.2f} GiB of RAM available")
         shape = (cfg.num_layers, spec.num_blocks, spec.block_size, cfg.num_kv_heads, cfg.head_dim)
         return cls(spec, np.zeros(shape, dtype), np.zeros(shape, dtype))
+
+    def copy_positions(self, src_block: int, dst_block: int, count: int) -> None:
+        """K/V of a block's first `count` positions, every layer, into another block's (copy_kv)."""
+        self.k[:, dst_block, :count] = self.k[:, src_block, :count]
+        self.v[:, dst_block, :count] = self.v[:, src_block, :count]

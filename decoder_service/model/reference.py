@@ -94,6 +94,9 @@ class ReferenceModel:
             self.pool.k[layer, block, pos % bs] = k[r]
             self.pool.v[layer, block, pos % bs] = v[r]
 
+    def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
+        self.pool.copy_positions(src_block, dst_block, count)
+
     def dense_logits(self) -> np.ndarray:
         return self.hidden @ self.w["lm_head"].T
 

@@ -262,6 +262,24 @@ class Stream:
         check(drv.cuMemcpyDtoDAsync(dptr(dst), dptr(src), count * dst.dtype.itemsize, self.handle),
               "cuMemcpyDtoDAsync")
 
+    def d2d_rows(self, dst, dst_start: int, src, src_start: int, width: int, rows: int, pitch: int) -> None:
+        """`rows` runs of `width` elements, run r at start + r * pitch in each flat device array (one
+        strided copy: asynchronous, capturable)."""
+        if SIM:
+            host, out = src.copy_to_host(), dst.copy_to_host()
+            for r in range(rows):
+                out[dst_start + r * pitch:dst_start + r * pitch + width] = \
+                    host[src_start + r * pitch:src_start + r * pitch + width]
+            dst.copy_to_device(out)
+            return
+        size = dst.dtype.itemsize
+        copy = drv.CUDA_MEMCPY2D()
+        copy.srcMemoryType = copy.dstMemoryType = drv.CUmemorytype.CU_MEMORYTYPE_DEVICE
+        copy.srcDevice, copy.dstDevice = dptr(src) + src_start * size, dptr(dst) + dst_start * size
+        copy.srcPitch = copy.dstPitch = pitch * size
+        copy.WidthInBytes, copy.Height = width * size, rows
+        check(drv.cuMemcpy2DAsync(copy, self.handle), "cuMemcpy2DAsync")
+
     def memset0(self, dst) -> None:
         if SIM:
             dst.copy_to_device(np.zeros(dst.shape, dst.dtype))
