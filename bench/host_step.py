@@ -2,10 +2,11 @@
 
     .venv/bin/python -m bench.host_step [--rows 1,64,256]
 
-The engine is serial with the device: after the sampler's synchronisation the host plans the next
-step, builds its block tables, checks the batch and plans the CUDA backend's attention (which rows go
-to which kernel) before the first launch, so every microsecond here is a microsecond of wall clock
-per step. R MetaTool requests are prefilled through a backend that
+Before a step's first launch the host plans it, builds its block tables, checks the batch and plans
+the CUDA backend's attention (which rows go to which kernel). Where the engine steps ahead (perf log
+h3: the same rows one token further) that overlaps the step before on the device; elsewhere (a
+request's first step, a step after the batch changed) every microsecond here is one of wall clock.
+R MetaTool requests are prefilled through a backend that
 computes nothing (its sparse head returns zeros: every row takes its first legal token), then, with
 all R decoding, the median host time of the step's parts is printed.
 """
