@@ -2,13 +2,13 @@
 
     python3 bench/engine_phases.py [--workload metatool] [--queries 40]
 
-A step plans, stages and enqueues the forward pass and the sampler (or takes the step launched
-ahead), enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits for
-this step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one at a time on the calling thread (the CUDA backend on a GPU, the CPU backend
-elsewhere; SmolLM2's real weights where present, random bf16 at its shape otherwise), the engine
-methods in PHASES timed by wrappers; a step's host time is its wall clock less that wait. Prefill
-and decode steps are reported apart (µs, the mean over the steps: an answer's last step also
-completes it).
+A step plans, stages and enqueues the forward pass and the sampler (or takes the step launched ahead),
+enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits for this
+step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one at a
+time on the calling thread (the CUDA backend on a GPU, the CPU backend elsewhere; SmolLM2's real
+weights where present, random bf16 at its shape otherwise), the engine methods in PHASES timed by
+wrappers; a step's host time is its wall clock less that wait. Prefill and decode steps are reported
+apart (µs, the mean over the steps: an answer's last step also completes it).
 """
 from __future__ import annotations
 

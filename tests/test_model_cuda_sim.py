@@ -6,17 +6,17 @@ simulator must not leak into this process. One subprocess runs every case (this 
 script) and reports JSON; each test asserts one case. The same cases run on a real GPU in the
 `gpu`-marked test, which skips where there is none.
 
-Checks (per case): logits of prefill, decode and mixed ragged batches over non-contiguous block
-tables match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same
-argmax); the sparse head equals the dense head's logits for the same candidates bit for bit; a row's
-logits are bit-identical alone (a decode step alone replays a captured graph, and without a q/k norm
-runs RoPE in the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in
-k_rope_kv), and a prompt's last row is bit-identical
-whether the prompt is prefilled in one chunk or in two (other attention row tiles), and after a
-prefix's tail copied into another block (copy_kv) or in place; the KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for the bf16
-models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time (k_attn_rows);
-tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In the bf16
-models prompt rows run their matrices in k_gemm, decode rows in the GEMVs.
+Checks (per case): logits of prefill, decode and mixed ragged batches over non-contiguous block tables
+match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same argmax); the
+sparse head equals the dense head's logits for the same candidates bit for bit; a row's logits are
+bit-identical alone (a decode step alone replays a captured graph, and without a q/k norm runs RoPE in
+the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in k_rope_kv), and
+a prompt's last row is bit-identical whether the prompt is prefilled in one chunk or in two (other
+attention row tiles), and after a prefix's tail copied into another block (copy_kv) or in place; the
+KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for
+the bf16 models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time
+(k_attn_rows); tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In
+the bf16 models prompt rows run their matrices in k_gemm, decode rows in the GEMVs.
 """
 from __future__ import annotations
 

@@ -53,8 +53,9 @@ class CatalogRuntime:
 
     def held_blocks(self) -> np.ndarray:
         """The blocks the version itself holds a reference to: the shared ones and the tail's."""
-        return np.append(self.shared_blocks, self.tail_block).astype(np.int32) if self.tail_block >= 0 \
-            else self.shared_blocks
+        if self.tail_block < 0:
+            return self.shared_blocks
+        return np.append(self.shared_blocks, np.int32(self.tail_block)).astype(np.int32)
 
     @property
     def max_output_tokens_per_pointer(self) -> int:

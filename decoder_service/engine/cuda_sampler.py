@@ -196,8 +196,10 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, n
         stride //= 2
     if tid == 0:
         w = bi[0]
-        if w < 0:  # no candidate: k_mask's status says why; the row does not move, and its token is a
-            out_token[r] = 0  # valid id, as the next step's forward may read it before the host does
+        if w < 0:
+            # no candidate: k_mask's status says why, and the row does not move; its token is a valid
+            # id (0), since a step launched ahead embeds it before the host reads the status
+            out_token[r] = 0
             out_edge[r] = -1
             return
         j = r * cmax + w
@@ -264,10 +266,11 @@ class DeviceSampler:
     The rows' trie state stays on the host (the engine's source of truth). `start` stages it in one
     pinned buffer, makes one copy in, three raw launches on the backend's stream and one copy out;
     `finish` waits for that copy. `follow` enqueues the same rows' next choice from the state k_select
-    left on the device, before the host has read the previous picks (the engine's step ahead). Every loaded catalog version has its packed trie in a global arena; the
-    newest version that fits 64 KiB is resident in constant memory and its rows read from there. A
-    step the kernels cannot take whole (a node wider than the backend's candidate buffer, a k or an
-    allowlist past the staging buffers) goes to the host sampler, which tiles: no candidate is dropped.
+    left on the device, before the host has read the previous picks (the engine's step ahead). Every
+    loaded catalog version has its packed trie in a global arena; the newest version that fits 64 KiB
+    is resident in constant memory and its rows read from there. A step the kernels cannot take whole
+    (a node wider than the backend's candidate buffer, a k or an allowlist past the staging buffers)
+    goes to the host sampler, which tiles: no candidate is dropped.
     """
 
     FIELDS = ("base", "const", "node", "n_emitted", "k", "allow_start", "allow_len")  # int32 per row

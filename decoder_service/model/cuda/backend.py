@@ -596,9 +596,10 @@ class CudaBackend:
         """K/V of src_block's first `count` positions, every layer, into dst_block's, in stream order
         (one strided copy per pool: a row per layer)."""
         self._ensure_context()
-        per_block = self.spec.block_size * self.cfg.num_kv_heads * self.cfg.head_dim
+        per_position = self.cfg.num_kv_heads * self.cfg.head_dim
+        per_block = self.spec.block_size * per_position
         for pool in (self.kv_k, self.kv_v):
-            self.stream.d2d_rows(pool, dst_block * per_block, pool, src_block * per_block, count * per_block // self.spec.block_size,
+            self.stream.d2d_rows(pool, dst_block * per_block, pool, src_block * per_block, count * per_position,
                                  self.cfg.num_layers, self.kv_layer_elems)
 
     def dense_logits(self) -> np.ndarray:
