@@ -71,6 +71,13 @@ def main() -> None:
     rt = engine.load_catalog(trie)
     engine.run_until_idle()
     clock = Clock()
+    prompt_rows = []   # rows a query prefills: prompt rows of every forward call (its suffix, after the prefix)
+    forward = be.forward
+
+    def counted(batch, *a, **kw):
+        prompt_rows[-1] += batch.num_rows - batch.decode_rows
+        return forward(batch, *a, **kw)
+    be.forward = counted
     for obj, attr, phase in ((engine.scheduler, "plan", "plan"), (engine, "_batch", "batch"),
                              (be, "forward", "forward"), (engine.sampler, "start", "sampler"),
                              (engine, "_launch_ahead", "ahead"), (engine, "_advance", "advance"),
@@ -87,6 +94,7 @@ def main() -> None:
     rows = {"prefill": defaultdict(list), "decode": defaultdict(list)}
     for q in queries:
         seq = engine.submit(rt, q.intent, q.k)
+        prompt_rows.append(0)
         while seq.state != State.FINISHED:
             kind = "decode" if seq.state == State.DECODE else "prefill"
             clock.step.clear()
@@ -99,7 +107,8 @@ def main() -> None:
             rows[kind]["host"].append(total - clock.step["wait"])
     print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
           f"({what} weights), {engine.steps_ahead} steps launched ahead: µs a step, mean (forward is its "
-          "host call; phases nest as PHASES says)")
+          f"host call; phases nest as PHASES says); prompt rows a query: mean {statistics.fmean(prompt_rows):.1f}, "
+          f"median {statistics.median(prompt_rows):g}")
     cols = ("step", "host", *PHASES)
     print("| step | n | " + " | ".join(cols) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in cols) + " |")

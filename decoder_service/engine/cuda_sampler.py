@@ -27,6 +27,7 @@ import numpy as np
 from decoder_service.model.cuda.launcher import Kernel, Launch, check, event_wait_host, new_event  # numpy fix first
 from numba import cuda  # noqa: E402
 
+from decoder_service.engine.sampler import Pick, empty_mask_message  # noqa: E402
 from shared.trie import SEP, STOP, Trie
 
 SIM = bool(getattr(numba.config, "ENABLE_CUDASIM", 0))
@@ -389,7 +390,6 @@ class DeviceSampler:
     def finish(self, picks) -> list:
         """Wait for enqueued picks (host-sampler picks are returned as they are): a Pick per row, or a
         message saying why there is none."""
-        from decoder_service.engine.sampler import Pick, empty_mask_message
         if not isinstance(picks, DevicePicks):
             return picks
         event_wait_host(self.out_ready[picks.buffer])

@@ -1,7 +1,8 @@
 """CudaBackend: the model step on the GPU, in the interface of docs/model_runtime_interface.md.
 
 Host-level interface (same as the cpu backend and the reference):
-    forward(batch[, device_tokens]) -> None; dense_logits() -> float32 [N, V]; sparse_logits(cand, n) -> float32 [N, C]
+    forward(batch[, device_tokens]) -> None; dense_logits() -> float32 [N, V];
+    sparse_logits(cand, n) -> float32 [N, C]
     (forward replays a CUDA graph, captured once per launch shape, for a step of decode rows only)
 
 Device-level entries for the engine (no allocation, no host synchronisation; capturable):
