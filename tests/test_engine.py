@@ -7,9 +7,10 @@ import pytest
 
 from decoder_service.engine import sampler
 from decoder_service.engine.engine import QueueFull, RequestError, TokenizerMismatch
-from decoder_service.engine.sequence import FailedEvent
+from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from engine_fixtures import answer, make_engine, metatool_trie, names_trie, tiny_backend
 from shared.tokenizer import ModelTokenizer
+from shared.trie import STOP
 
 NUM_BLOCKS = 1024
 INTENTS = ["what's the weather in Paris tomorrow", "find me a cheap flight to Tokyo", "translate this pdf",
@@ -137,6 +138,45 @@ def test_bit_identical_alone_and_in_any_batch(engine, catalog):
             assert answer(seq)[:2] == alone[r], f"{r} differs in batch {batches}"
         batches += 1
     assert batches == 200
+
+
+def bits(event):
+    """What a client receives, less the timings: the event itself, a Done event's token counts."""
+    return (event.prompt_tokens, event.generated_tokens) if isinstance(event, DoneEvent) else event
+
+
+def test_forced_last_names_finish_without_their_steps(backend, tok, catalog):
+    """finish_forced: once an answer's last name is the only one left below its node, its remaining
+    tokens are taken without a step each, and every name, token id, score and token count is the one
+    the engine computes step by step (alone, in a batch, with an allowlist narrowing the choice)."""
+    trie, forced = catalog.trie, catalog.last_pointer_edge
+    for node in range(trie.num_nodes):  # forced exactly where one pointer is below, and it leads to its stop
+        edges = range(trie.node_edge_start[node], trie.node_edge_start[node + 1])
+        below = {p for e in edges for p in range(trie.edge_lo[e], trie.edge_hi[e])}
+        assert (forced[node] >= 0) == (len(below) == 1)
+        walk = node
+        while walk >= 0 and forced[walk] >= 0:
+            walk = trie.edge_child[forced[walk]]
+        assert walk == (STOP if len(below) == 1 else node)
+    assert (forced >= 0).any()
+    requests = [(intent, 1 + i % 3, None) for i, intent in enumerate(INTENTS[:6])]
+    requests.append((INTENTS[6], 2, catalog.trie.pointer_names[5:9]))
+    results, forced_tokens = {}, {}
+    for on in (True, False):
+        eng = make_engine(backend, tok, NUM_BLOCKS, finish_forced=on)  # engines run one at a time
+        rt = eng.load_catalog(catalog.trie)
+        eng.run_until_idle()
+        alone = []
+        for intent, k, allow in requests[:3]:
+            alone.append(eng.submit(rt, intent, k, allow=allow))
+            eng.run_until_idle()
+        batch = [eng.submit(rt, intent, k, allow=allow) for intent, k, allow in requests[3:]]
+        eng.run_until_idle()
+        results[on] = [[bits(event) for event in seq] for seq in alone + batch]
+        forced_tokens[on] = eng.tokens_forced
+    assert all(isinstance(e, PointerEvent) for r in results[True] for e in r[:-1])
+    assert results[True] == results[False]
+    assert forced_tokens[True] > 0 == forced_tokens[False]
 
 
 def test_cancel_and_deadline_free_every_block(engine, catalog):

@@ -10,8 +10,8 @@ Checks: the same requests give the host sampler's names, with log-probabilities 
 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
 one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
-them; never with the host sampler), and one at a time its answers equal, to the bit, those of an
-engine with step_ahead off. A stale constant-memory binding fails the requests loudly (INTERNAL),
+them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
+time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off. A stale constant-memory binding fails the requests loudly (INTERNAL),
 never with a plausible answer.
 """
 from __future__ import annotations
@@ -33,7 +33,8 @@ def check(result: dict) -> None:
     assert result["requests"] >= 8 and result["differences"] == [], result["differences"][:3]
     host, batched, alone, off = result["steps_ahead"]  # the host sampler's picks cannot feed a step ahead
     assert host == 0 and batched > 0 and alone > 0 and off == 0, result["steps_ahead"]
-    assert result["ahead_is_exact"]  # same names, same log-probabilities to the bit, with the setting off
+    assert all(result["tokens_forced"][:3]) and result["tokens_forced"][3] == 0, result["tokens_forced"]
+    assert result["levers_are_exact"]  # same names, same log-probabilities to the bit, with both settings off
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
     assert result["stale"] and all("stale or corrupted trie" in m or "empty mask" in m for m in result["stale"])
 
@@ -128,9 +129,9 @@ def main() -> None:
         trie.meta.update(name="demo", version=version)
     requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]
 
-    def serve(sampler, stale=False, one_at_a_time=False, step_ahead=True):
+    def serve(sampler, stale=False, one_at_a_time=False, **config):
         engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                              EngineConfig(step_ahead=step_ahead))
+                              EngineConfig(**config))
         engine.sampler = sampler
         catalogs = [engine.load_catalog(t) for t in tries]
         engine.run_until_idle()
@@ -146,6 +147,7 @@ def main() -> None:
                 engine.run_until_idle()
         engine.run_until_idle()
         ahead[len(ahead)] = engine.steps_ahead
+        forced.append(engine.tokens_forced)
         out = []
         for seq in seqs:
             events = list(seq)
@@ -153,12 +155,13 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
-    ahead = {}  # steps launched ahead, by serve() call
+    ahead, forced = {}, []  # steps launched ahead and tokens taken without a step, by serve() call
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
     alone = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True)
-    in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True, step_ahead=False)
+    in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True, step_ahead=False,
+                    finish_forced=False)
     differences = [f"{e} vs {g}" for e, g in [*zip(expected, got), *zip(expected, alone)]
                    if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
                    or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]
@@ -168,7 +171,7 @@ def main() -> None:
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
                                   "steps_ahead": [ahead[0], ahead[1], ahead[2], ahead[3]],
-                                  "ahead_is_exact": alone == in_turn}))
+                                  "tokens_forced": forced[:4], "levers_are_exact": alone == in_turn}))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 
 from shared.prompt import PromptTemplate
-from shared.trie import STOP, Trie
+from shared.trie import SEP, STOP, Trie
 
 
 @dataclass
@@ -75,6 +75,21 @@ class CatalogRuntime:
         ends = np.zeros(t.num_nodes, bool)
         ends[np.searchsorted(t.node_edge_start, np.flatnonzero(t.edge_child == STOP), side="right") - 1] = True
         return ends
+
+    @cached_property
+    def last_pointer_edge(self) -> np.ndarray:
+        """int32 [nodes]: at a node whose subtree holds one pointer, the one edge a row on its last
+        pointer can take (its name's next token, or stop at its end: the separator is not legal there),
+        else -1. The sampler's only candidate wins with log-probability 0 whatever the logits, so the
+        engine takes these edges without computing them."""
+        t = self.trie
+        starts = t.node_edge_start[:-1]
+        one = np.maximum.reduceat(t.edge_hi, starts) - np.minimum.reduceat(t.edge_lo, starts) == 1
+        edges = np.flatnonzero(t.edge_child != SEP).astype(np.int32)
+        owner = np.searchsorted(t.node_edge_start, edges, side="right") - 1
+        forced = np.full(t.num_nodes, -1, np.int32)
+        forced[owner[one[owner]]] = edges[one[owner]]
+        return forced
 
     @cached_property
     def name_index(self) -> dict[str, int]:

@@ -18,6 +18,11 @@ before the host reads them, so where the next step can only be the same rows one
 engine enqueues it first, its tokens copied on the device, and reads this step's picks while it runs:
 the host's share of a step (planning, staging, reading, advancing) overlaps the device's. Its rows
 compute exactly what the step planned after the read would, so no answer depends on it.
+
+Forced tails: on an answer's last pointer, once one name is left below the row's node, each of its
+remaining tokens (and the stop) is the sampler's only candidate, chosen with log-probability 0 whatever
+the logits; the engine takes them when it reads the pick that got there, and the answer completes
+without the steps that would compute them.
 """
 from __future__ import annotations
 
@@ -71,6 +76,7 @@ class EngineConfig:
     max_intent_chars: int = 4000
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
     step_ahead: bool = True        # enqueue the next step before reading the picks, where it can be (below)
+    finish_forced: bool = True     # end an answer once its last name is the only one left below its node
 
 
 @dataclasses.dataclass
@@ -106,6 +112,7 @@ class DecodeEngine:
         self.sampler = make_sampler(backend, config.head)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
+        self.tokens_forced = 0                # answer tokens taken without a step (finish_forced)
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
@@ -352,6 +359,8 @@ class DecodeEngine:
         if child not in (SEP, STOP):
             seq.pointer_tokens.append(token)
             seq.node = child
+            if self.config.finish_forced and seq.n_emitted + 1 == seq.k:
+                self._take_forced(seq)
             return
         pid = int(trie.edge_lo[edge])
         seq.events.put(PointerEvent(index=seq.n_emitted, pointer_id=pid, name=trie.pointer_names[pid],
@@ -361,6 +370,15 @@ class DecodeEngine:
         seq.pointer_tokens, seq.pointer_logprob, seq.node = [], 0.0, 0
         if child == STOP:
             self._complete(seq)
+
+    def _take_forced(self, seq: Sequence) -> None:
+        """On the last pointer, at a node with one pointer below, every token to the stop is forced: the
+        sampler's only candidate, log-probability 0 whatever the logits. Take them here, so the answer
+        completes now instead of after a step per token; its tokens, names and scores are the same."""
+        edge = int(seq.catalog.last_pointer_edge[seq.node])
+        if edge >= 0:
+            self.tokens_forced += 1
+            self._advance(seq, Pick(edge, int(seq.catalog.trie.edge_token[edge]), 0.0))
 
     def _complete(self, seq: Sequence) -> None:
         """Host walk of the whole answer through the trie, then Done (or a loud failure)."""
