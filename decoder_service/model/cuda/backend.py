@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from numba import njit
 
 from ..batch import StepBatch
 from ..config import ModelConfig, ModelError
@@ -64,16 +65,32 @@ def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int,
     R = batch.num_rows
     if batch.decode_rows == R or max_ctx <= tile_from:
         return np.arange(R, dtype=np.int32), _NO_TILES
-    tiled = (np.arange(R) >= batch.decode_rows) & (batch.positions >= tile_from)
-    idx = np.flatnonzero(tiled)
-    slots, pos = batch.slots[idx], batch.positions[idx]
-    run_start = np.ones(len(idx), bool)
-    run_start[1:] = (np.diff(idx) != 1) | (slots[1:] != slots[:-1]) | (pos[1:] != pos[:-1] + 1)
-    first = np.flatnonzero(run_start)
-    offset = np.arange(len(idx)) - first[np.cumsum(run_start) - 1]
-    starts = np.flatnonzero(offset % rows_per_tile == 0)
-    tiles = np.stack([idx[starts], np.diff(np.append(starts, len(idx)))], axis=1).astype(np.int32)
-    return np.flatnonzero(~tiled).astype(np.int32), tiles
+    return _cut_tiles(batch.slots, batch.positions, batch.decode_rows, tile_from, rows_per_tile)
+
+
+@njit(cache=True)
+def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile):
+    """attention_plan's tile search in one compiled pass (a prefill step waits for it before the device
+    has work): a tiled row continues its predecessor's run where it is the next row, of the same slot, at
+    the next position; a tile starts at every rows_per_tile-th row of a run."""
+    R = len(slots)
+    rows, tiles = np.empty(R, np.int32), np.empty((R, 2), np.int32)
+    n_rows = n_tiles = 0
+    offset, prev = 0, -2
+    for i in range(R):
+        if i < decode_rows or positions[i] < tile_from:
+            rows[n_rows] = i
+            n_rows += 1
+            continue
+        runs_on = i == prev + 1 and slots[i] == slots[prev] and positions[i] == positions[prev] + 1
+        offset = offset + 1 if runs_on else 0
+        prev = i
+        if offset % rows_per_tile == 0:
+            tiles[n_tiles, 0], tiles[n_tiles, 1] = i, 1
+            n_tiles += 1
+        else:
+            tiles[n_tiles - 1, 1] += 1
+    return rows[:n_rows], tiles[:n_tiles]
 
 
 class RowPlan(NamedTuple):
