@@ -1,6 +1,7 @@
 """Model loading: config validation, checkpoint checks, weight conversion, KV pool sizing, batches."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -198,6 +199,22 @@ def test_step_batch_from_chunks_and_validation():
         StepBatch.from_chunks([(1, [5, 6, 7], 0)], holes).validate(4, 4, 10)   # a missing block
     unused = np.array([[-1, -1], [0, 2]], np.int32)   # slot 0 has no rows here: its table is not read
     StepBatch.from_chunks([(1, [5, 6, 7], 4)], unused).validate(4, 4, 10)
+
+
+def test_step_batch_refuses_every_out_of_bounds_row():
+    """Each fault the kernels could turn into a stray read or write, alone in an otherwise valid batch."""
+    table = np.array([[3, 1], [0, 2]], np.int32)
+    good = StepBatch.from_chunks([(1, [5, 6, 7], 0), (0, [9], 4)], table)
+    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+    faults = [(dict(slots=i32(1, 1, 2, 0)), r"slots: must index block_tables' 2 rows"),
+              (dict(positions=i32(0, -1, 2, 4)), "positions: must be >= 0"),
+              (dict(logit_rows=i32(2, 4)), r"logit_rows: must be row indices in \[0, 4\)"),
+              (dict(logit_rows=i32(2, 3).reshape(1, 2)), r"logit_rows: must be row indices"),
+              (dict(positions=i32(0, 1, 1, 4)), r"two rows write the same \(slot, position\)"),
+              (dict(tokens=i32(5, 6, 7, 9).reshape(2, 2)), "tokens/slots/positions must all be")]
+    for change, message in faults:
+        with pytest.raises(ModelError, match=message):
+            dataclasses.replace(good, **change).validate(4, 4, 10)
     with pytest.raises(ModelError, match="same \\(slot, position\\)"):
         StepBatch.from_chunks([(0, [1], 0), (0, [1], 0)], table).validate(4, 4, 10)
     with pytest.raises(ModelError, match=r"decode_rows: must be in \[0, 4\], got 5"):
