@@ -263,8 +263,10 @@ class DecodeEngine:
     def _can_step_ahead(self, launched: Launched) -> bool:
         """May the next step of `launched`'s rows be enqueued before its picks are read? Only where the
         picks are on the device, the step holds every running sequence (none is left mid-prompt, no
-        request could be admitted instead), every row is still live, and some row cannot end at this
-        step (a step behind rows that all end would be wasted device time the next request waits for)."""
+        request could be admitted instead), every row is still live, and some row cannot stop at this
+        step (a step behind rows that all end is device time the next request waits for). A row whose pick
+        enters a forced last name (finish_forced) ends too; refusing for those cost more than the step
+        it saves (perf log f2, f3)."""
         return (self.config.step_ahead and self.sampler.next_tokens(launched.picks) is not None and not self._inbox
                 and not (self.scheduler.waiting and self.scheduler.free_slots)
                 and len(launched.sampling) == len(self.scheduler.running)
