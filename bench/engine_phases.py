@@ -38,20 +38,25 @@ PHASES = ("plan", "batch", "forward", "validate", "stage", "replay", "sampler", 
 
 
 class Clock:
-    """Per-step sums of the wrapped calls' durations."""
+    """Per-step sums of the wrapped calls' durations; a call inside a call of its own phase (the
+    advance through a forced name recurses) counts once, in the outer one."""
 
     def __init__(self):
         self.step = defaultdict(float)
+        self.depth = defaultdict(int)
 
     def wrap(self, obj, attr: str, phase: str) -> None:
         fn = getattr(obj, attr)
 
         def timed(*a, **kw):
             t = time.perf_counter()
+            self.depth[phase] += 1
             try:
                 return fn(*a, **kw)
             finally:
-                self.step[phase] += time.perf_counter() - t
+                self.depth[phase] -= 1
+                if not self.depth[phase]:
+                    self.step[phase] += time.perf_counter() - t
         setattr(obj, attr, timed)
 
 
