@@ -11,8 +11,8 @@ rounding, for two catalog versions alternating in one batch stream (one resident
 one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
 them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
-time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off. A stale constant-memory binding fails the requests loudly (INTERNAL),
-never with a plausible answer.
+time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off. A stale
+constant-memory binding fails the requests loudly (INTERNAL), never with a plausible answer.
 """
 from __future__ import annotations
 

@@ -69,11 +69,15 @@ class CatalogRuntime:
         return self.trie.max_fanout()
 
     @cached_property
+    def edge_node(self) -> np.ndarray:
+        """int [edges]: the node each edge leaves (the per-node tables below are built from it)."""
+        return np.repeat(np.arange(self.trie.num_nodes), np.diff(self.trie.node_edge_start))
+
+    @cached_property
     def stop_nodes(self) -> np.ndarray:
-        """bool [nodes]: the nodes with a stop edge, where a row on its last pointer may end its answer."""
-        t = self.trie
-        ends = np.zeros(t.num_nodes, bool)
-        ends[np.searchsorted(t.node_edge_start, np.flatnonzero(t.edge_child == STOP), side="right") - 1] = True
+        """bool [nodes]: the nodes with a stop edge, where a row on its last pointer may pick the stop."""
+        ends = np.zeros(self.trie.num_nodes, bool)
+        ends[self.edge_node[self.trie.edge_child == STOP]] = True
         return ends
 
     @cached_property
@@ -86,7 +90,7 @@ class CatalogRuntime:
         starts = t.node_edge_start[:-1]
         one = np.maximum.reduceat(t.edge_hi, starts) - np.minimum.reduceat(t.edge_lo, starts) == 1
         edges = np.flatnonzero(t.edge_child != SEP).astype(np.int32)
-        owner = np.searchsorted(t.node_edge_start, edges, side="right") - 1
+        owner = self.edge_node[edges]
         forced = np.full(t.num_nodes, -1, np.int32)
         forced[owner[one[owner]]] = edges[one[owner]]
         return forced

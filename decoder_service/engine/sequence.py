@@ -83,7 +83,7 @@ class Sequence:
         return len(self.prompt_ids) + self.k * self.catalog.max_output_tokens_per_pointer
 
     def may_stop(self) -> bool:
-        """Could this step's token end the answer (the last pointer, at a node with a stop edge)?"""
+        """Could this step's token be the answer's stop (the last pointer, at a node with a stop edge)?"""
         return self.n_emitted + 1 == self.k and bool(self.catalog.stop_nodes[self.node])
 
     def finish(self, event) -> None:
