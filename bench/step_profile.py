@@ -3,6 +3,7 @@
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
     python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
     python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
+    python3 bench/step_profile.py --rows 58 --prefix 8000 --attention-splits 256,512 --cases prefill:58@4985,prefill:16@2047
 
 One sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R
@@ -28,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
 from decoder_service.model.batch import StepBatch  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.cuda.kernels import ROW_SPLITS  # noqa: E402
+from decoder_service.model.cuda.kernels import MAX_SPLITS, ROW_SPLITS  # noqa: E402
 from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 
 BLOCK = 16
@@ -119,9 +120,9 @@ def reference_attention(be, batch: StepBatch, layer: int) -> np.ndarray:
                      for r in range(batch.num_rows)])
 
 
-def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
+def attention_launches(be, regs: int = 0) -> list:
     """The layers' prompt attention launches, the tiles' kernel compiled under a register cap (0: its own,
-    e.g. k_attn_mma's MMA_ATTN_REGISTERS) and with a split size (None: the backend's)."""
+    e.g. k_attn_mma's MMA_ATTN_REGISTERS)."""
     from numba import cuda
 
     from decoder_service.model.cuda import kernels
@@ -129,8 +130,7 @@ def attention_launches(be, regs: int = 0, split: int | None = None) -> list:
     name = be.layers[0]["attn_tiles"].kernel.name     # k_attn_mma (bf16) or k_attn_tiles
     kern = be.kernels[name] if not regs else \
         Kernel(name, be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.KERNELS[name].py_func))
-    assert be.layers[0]["attn_tiles"].args[15] == be.attn_split   # the tiles' `split` argument
-    return relaunched(be, "attn_tiles", kern, 15 if split is not None else None, split)
+    return relaunched(be, "attn_tiles", kern)
 
 
 CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("prefill", 48, 2047),
@@ -138,7 +138,19 @@ CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("pr
          ("decode", 1, 1023)]
 
 
-def attention_variants(be, timer, per_seq: int, variants: list) -> None:
+def parse_cases(text: str) -> list:
+    """--cases "prefill:58@4985,decode:1@1023" as CASES' (kind, rows, prefix) triples."""
+    out = []
+    for item in text.split(","):
+        kind, _, shape = item.partition(":")
+        rows, _, prefix = shape.partition("@")
+        if kind not in ("prefill", "decode") or not rows.isdigit() or not prefix.isdigit():
+            raise SystemExit(f"--cases: {item!r} is not KIND:ROWS@PREFIX (KIND prefill or decode)")
+        out.append((kind, int(rows), int(prefix)))
+    return out
+
+
+def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CASES) -> None:
     """Attention variants [(name, launches, grid(batch))] on the same random K/V: µs per layer, the
     relative error of the last layer's output against float64, and whether it is bit-identical to the
     first variant of the same kernel (a register cap must not change a bit; a split size may)."""
@@ -146,7 +158,7 @@ def attention_variants(be, timer, per_seq: int, variants: list) -> None:
     rng = np.random.default_rng(5)
     for pool in (be.kv_k, be.kv_v):   # random K/V, so that every score and weight differs
         pool.copy_to_device(rand_bf16(rng, (pool.size,), 1.0))
-    cases = [c for c in CASES if c[1] <= be.max_rows]
+    cases = [c for c in cases if c[1] <= be.max_rows]
     table = {name: [] for name, _, _ in variants}
     errs = {name: 0.0 for name, _, _ in variants}
     same = {name: True for name, _, _ in variants}
@@ -175,21 +187,23 @@ def attention_variants(be, timer, per_seq: int, variants: list) -> None:
 
 
 def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_splits: int = ROW_SPLITS) -> tuple:
-    """Stage the batch so that every row goes to one attention kernel ("rows" or "tiles"); its grid."""
-    tile_from = be.attn_tile_from
+    """Stage the batch so that every row goes to one attention kernel ("rows" or "tiles"), the tiles
+    at `split` positions at every context (None: the backend's prompt_split rule); its grid."""
+    saved = be.attn_tile_from, be.attn_split, be.most_splits
     be.attn_tile_from = 0
+    if split is not None:
+        be.attn_split, be.most_splits = split, MAX_SPLITS
     be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
-    be.attn_tile_from = tile_from
-    ctx = int(batch.positions.max()) + 1
-    rows, tiles = be.attn_grids(ctx, row_splits)
-    return rows if kernel == "rows" else (tiles[0], tiles[1], -(-ctx // (split or be.attn_split)))
+    rows, tiles = be.attn_grids(int(batch.positions.max()) + 1, row_splits)
+    be.attn_tile_from, be.attn_split, be.most_splits = saved
+    return rows if kernel == "rows" else tiles
 
 
 def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: list[int] = ()) -> list:
     """k_attn_rows for every row (at the backend's ROW_SPLITS, then at each of row_splits), then the
     prompt tiles' kernel (k_attn_mma or k_attn_tiles) for every row under each register cap (at the
-    backend's split), then under each split size."""
-    def grid(split):
+    backend's split rule), then at each split size at every context."""
+    def grid(split=None):
         return lambda batch: staged(be, batch, "tiles", split)
 
     def rows_grid(maxs):
@@ -203,10 +217,10 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
         launches = attention_launches(be, regs)
         k = launches[0].kernel
         out.append((f"{k.name}, cap {regs or 'none'} ({k.attrs.regs} registers, "
-                    f"{k.occupancy(launches[0].block, launches[0].shmem)} blocks/SM)", launches,
-                    grid(be.attn_split)))
+                    f"{k.occupancy(launches[0].block, launches[0].shmem)} blocks/SM; split {be.attn_split}, "
+                    f"at most {be.most_splits} splits)", launches, grid()))
     for split in splits:
-        launches = attention_launches(be, split=split)
+        launches = attention_launches(be)
         out.append((f"{launches[0].kernel.name}, split {split}", launches, grid(split)))
     return out
 
@@ -220,6 +234,8 @@ def main() -> None:
                    help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
+    p.add_argument("--cases", default="", help="attention variants' cases, e.g. prefill:58@4985,decode:1@1023 "
+                   "(default: CASES; each fits --rows and --prefix)")
     args = p.parse_args()
     cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -230,7 +246,8 @@ def main() -> None:
         ints = lambda a: [int(x) for x in a.split(",") if x]  # noqa: E731
         attention_variants(be, timer, per_seq,
                            kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits),
-                                           ints(args.row_splits)))
+                                           ints(args.row_splits)),
+                           parse_cases(args.cases) if args.cases else CASES)
         return
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")

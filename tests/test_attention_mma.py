@@ -4,7 +4,8 @@ Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide 
 chunk of rows after a context whose K/V are random, at the smallest split the build allows (8
 positions under the simulator, 64 on a GPU: the context scales with it), so that a row merges up to
 four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
-the KV head's query heads. The attention output of the last layer must match float64 attention over
+the KV head's query heads. Once more with at most three splits a row (prompt_split): the chunk's
+rows past three splits' context take two longer ones, in tiles of their own. The attention output of the last layer must match float64 attention over
 the same q and pool to the level of q and the weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is
 ~3e-7, bf16 operands alone ~3e-3), and a row's output must keep its bits when the chunk is cut
 elsewhere (its tile mates change). On a GPU the `gpu`-marked test runs the same, and
@@ -33,14 +34,16 @@ def test_prompt_attention_on_the_tensor_cores_matches_float64_on_the_gpu():
 
 
 def _assert(result: dict) -> None:
-    assert set(result) == {"llama", "qwen3"}
+    assert set(result) == {"llama", "qwen3", "llama, at most 3 splits"}
     for arch, r in result.items():
         assert r["kernel"] == "k_attn_mma", r
         assert r["rel"] < TOLERANCE, (arch, r)
         assert r["cut_invariant"], (arch, r)
+    assert result["llama"]["splits"] == [1]
+    assert result["llama, at most 3 splits"]["splits"] == [1, 2]
 
 
-def _case(tmp, arch: str) -> dict:
+def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
@@ -54,12 +57,12 @@ def _case(tmp, arch: str) -> dict:
     cfg = ModelConfig.from_dir(d)
     scale = TP // 8                    # positions scale with the smallest split: 8 simulated, 64 on a GPU
     be = CudaBackend(cfg, load_weights(d, cfg, dtype="bfloat16", progress=False), KVPoolSpec(12, 4 * scale),
-                     max_rows=16, max_logit_rows=2, attn_split=TP, attn_tile_from=4)
+                     max_rows=16, max_logit_rows=2, attn_split=TP, attn_splits=most_splits, attn_tile_from=4)
     rng = np.random.default_rng(9)
     for pool in (be.kv_k, be.kv_v):
         pool.copy_to_device(f32_to_bf16(rng.standard_normal(pool.size).astype(np.float32)))
     table = np.array([[7, 2, 9, 0, 11, 4, 1, 5]], np.int32)        # 32 x scale positions, blocks out of order
-    L, nh, hd, R, start = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13, 17 * scale
+    L, nh, hd, R, start = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13, 3 * TP - 7   # contexts 3 TP - 6 .. 3 TP + 6
 
     def prefill(first: int, rows: int) -> np.ndarray:
         """Rows first .. first + rows - 1 of the chunk at positions start ..; the last layer's output."""
@@ -67,12 +70,14 @@ def _case(tmp, arch: str) -> dict:
         return be.att.copy_to_host()[: rows * be.kp_q].reshape(rows, be.kp_q)[:, : nh * hd].copy()
 
     whole = prefill(0, R)
+    tiles = be.attn_tiles.copy_to_host()[: 3 * be._n_tiles].reshape(-1, 3)
+    splits = sorted({int(s) // TP for s in tiles[:, 2]})        # the chunk's split sizes in TP
     q = be.qkv.copy_to_host()[: R * be.dqkv].reshape(R, be.dqkv)[:, : nh * hd].astype(np.float64)
     k, v = (to_float32(np.ascontiguousarray(a[L - 1]), "bfloat16").astype(np.float64) for a in be.kv_cache())
     ref = np.stack([attend(k, v, table[0], start + r, q[r].reshape(nh, hd)).reshape(-1) for r in range(R)])
     prefill(0, 5)                      # the same chunk cut after row 5: rows 5.. land in other tiles
     rest = prefill(5, R - 5)
-    return dict(kernel=be.layers[0]["attn_tiles"].kernel.name,
+    return dict(kernel=be.layers[0]["attn_tiles"].kernel.name, splits=splits,
                 rel=float(np.linalg.norm(whole - ref) / np.linalg.norm(ref)),
                 cut_invariant=bool(np.array_equal(whole[5:].view(np.uint32), rest.view(np.uint32))))
 
@@ -87,5 +92,6 @@ if __name__ == "__main__":
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:
         out = {arch: _case(Path(tmp), arch) for arch in ("llama", "qwen3")}
+        out["llama, at most 3 splits"] = _case(Path(tmp) / "most", "llama", most_splits=3)
     print("RESULT " + json.dumps(out))
     sys.exit(0)

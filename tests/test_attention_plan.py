@@ -1,14 +1,16 @@
 """Which attention kernel takes each row (decoder_service.model.cuda.backend.attention_plan): the row's
-kind and position decide, never its batch mates; prompt rows from `tile_from` on go in row tiles."""
+kind and position decide, never its batch mates; prompt rows from `tile_from` on go in row tiles, each
+tile's rows at one split of their context (prompt_split), a function of the position alone."""
 import numpy as np
 
 from decoder_service.model.batch import StepBatch
-from decoder_service.model.cuda.backend import attention_plan
+from decoder_service.model.cuda.backend import attention_plan, prompt_split
+from decoder_service.model.cuda.kernels import TP
 
 
-def _plan(chunks, decode_rows, tile_from=10, rows_per_tile=3):
+def _plan(chunks, decode_rows, tile_from=10, rows_per_tile=3, split=TP, most_splits=64):
     batch = StepBatch.from_chunks(chunks, np.zeros((4, 8), np.int32), decode_rows)
-    return attention_plan(batch, int(batch.positions.max()) + 1, tile_from, rows_per_tile)
+    return attention_plan(batch, int(batch.positions.max()) + 1, tile_from, rows_per_tile, split, most_splits, TP)
 
 
 def test_decode_rows_and_early_prompt_rows_go_one_at_a_time_later_prompt_rows_in_tiles():
@@ -16,40 +18,62 @@ def test_decode_rows_and_early_prompt_rows_go_one_at_a_time_later_prompt_rows_in
     # rows 9..10: another sequence's chunk at 20..21
     rows, tiles = _plan([(0, [1], 30), (1, list(range(8)), 6), (2, [1, 2], 20)], decode_rows=1)
     assert rows.tolist() == [0, 1, 2, 3, 4]
-    assert tiles.tolist() == [[5, 3], [8, 1], [9, 2]]   # cut every 3 rows, and where the sequence changes
+    assert tiles.tolist() == [[5, 3, TP], [8, 1, TP], [9, 2, TP]]   # cut every 3 rows, and where the sequence changes
 
 
 def test_a_step_of_decode_rows_or_short_contexts_has_no_tiles():
     rows, tiles = _plan([(0, [1], 30), (1, [2], 40)], decode_rows=2)
-    assert rows.tolist() == [0, 1] and tiles.shape == (0, 2)
+    assert rows.tolist() == [0, 1] and tiles.shape == (0, 3)
     rows, tiles = _plan([(1, list(range(5)), 0)], decode_rows=0)
-    assert rows.tolist() == [0, 1, 2, 3, 4] and tiles.shape == (0, 2)
+    assert rows.tolist() == [0, 1, 2, 3, 4] and tiles.shape == (0, 3)
 
 
 def test_a_rows_tile_does_not_span_a_gap_in_positions():
     rows, tiles = _plan([(1, [1, 2], 10), (1, [3, 4], 14)], decode_rows=0)
-    assert rows.size == 0 and tiles.tolist() == [[0, 2], [2, 2]]
+    assert rows.size == 0 and tiles.tolist() == [[0, 2, TP], [2, 2, TP]]
+
+
+def test_a_long_context_takes_longer_splits_so_that_it_has_at_most_most_splits():
+    split = 4 * TP
+    assert prompt_split(1, split, 3, TP) == split                     # a short context keeps the model's split
+    assert prompt_split(12 * TP, split, 3, TP) == split               # 3 splits of 4 TP
+    assert prompt_split(12 * TP + 1, split, 3, TP) == 5 * TP          # 3 splits of 5 TP (4 TP would take 4)
+    assert prompt_split(15 * TP + 1, split, 3, TP) == 6 * TP
+    for n in range(1, 40 * TP):
+        s = prompt_split(n, split, 3, TP)
+        assert s % TP == 0 and s >= split and -(-n // s) <= 3
+        assert s == split or -(-n // (s - TP)) > 3                # the least such multiple of TP
+
+
+def test_a_rows_tile_does_not_span_two_splits():
+    # a chunk at positions 12 TP - 2 .. 12 TP + 5: contexts up to 12 TP keep 4 TP, then 3 splits of 5 TP
+    rows, tiles = _plan([(1, list(range(8)), 12 * TP - 2)], decode_rows=0, tile_from=0, rows_per_tile=4,
+                        split=4 * TP, most_splits=3)
+    assert tiles.tolist() == [[0, 2, 4 * TP], [2, 4, 5 * TP], [6, 2, 5 * TP]]
 
 
 def test_random_batches_cut_every_run_of_rows_into_tiles():
-    """Against the rule written plainly: tiled rows form runs (next row, same slot, next position), and
-    each run is cut into tiles of rows_per_tile rows, the last one shorter."""
+    """Against the rule written plainly: tiled rows form runs (next row, same slot, next position, same
+    split), and each run is cut into tiles of rows_per_tile rows, the last one shorter."""
     rng = np.random.default_rng(5)
     for _ in range(300):
-        decode = [(int(rng.integers(4)), [1], int(rng.integers(40))) for _ in range(rng.integers(3))]
-        prompts = [(int(rng.integers(4)), [1] * int(rng.integers(1, 10)), int(rng.integers(30)))
+        # chunks start a few rows before a multiple of TP, where prompt_split may change
+        decode = [(int(rng.integers(4)), [1], int(rng.integers(8 * TP))) for _ in range(rng.integers(3))]
+        prompts = [(int(rng.integers(4)), [1] * int(rng.integers(1, 10)), int(TP * rng.integers(1, 8) - rng.integers(10)))
                    for _ in range(rng.integers(1, 4))]
-        tile_from, per_tile = int(rng.integers(0, 12)), int(rng.integers(1, 5))
+        tile_from, per_tile = int(rng.integers(0, 8 * TP)), int(rng.integers(1, 5))
+        split, most = TP * int(rng.integers(1, 4)), int(rng.integers(1, 5))
         batch = StepBatch.from_chunks(decode + prompts, np.zeros((4, 8), np.int32), len(decode))
         tiled = [i for i in range(batch.num_rows) if i >= len(decode) and batch.positions[i] >= tile_from]
+        own = {i: prompt_split(int(batch.positions[i]) + 1, split, most, TP) for i in tiled}
         runs = []
         for i in tiled:
             if runs and runs[-1][-1] == i - 1 and batch.slots[i] == batch.slots[i - 1] \
-                    and batch.positions[i] == batch.positions[i - 1] + 1:
+                    and batch.positions[i] == batch.positions[i - 1] + 1 and own[i] == own[i - 1]:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        want = [[run[j], len(run[j:j + per_tile])] for run in runs for j in range(0, len(run), per_tile)]
-        rows, tiles = attention_plan(batch, int(batch.positions.max()) + 1, tile_from, per_tile)
+        want = [[run[j], len(run[j:j + per_tile]), own[run[j]]] for run in runs for j in range(0, len(run), per_tile)]
+        rows, tiles = attention_plan(batch, int(batch.positions.max()) + 1, tile_from, per_tile, split, most, TP)
         assert tiles.tolist() == want
         assert rows.tolist() == [i for i in range(batch.num_rows) if i not in tiled]

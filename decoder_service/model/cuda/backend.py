@@ -14,7 +14,7 @@ Device-level entries for the engine (no allocation, no host synchronisation; cap
     capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
 Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
     tokens, slots, positions [max_rows] i32; attention's row list [max_rows] and row tiles (first
-    row, rows) [2 max_rows] i32;
+    row, rows, split) [3 max_rows] i32;
     logit_rows [max_logit_rows] i32;
     block_tables [max_table] i32 (row stride = `table_stride`, set by stage() or set_table_stride());
     hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
@@ -51,30 +51,43 @@ import threading  # noqa: E402
 from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
-_NO_TILES = np.empty((0, 2), np.int32)
+_NO_TILES = np.empty((0, 3), np.int32)
+PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (perf log s1)
 
 
-def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int,
-                   rows_per_tile: int) -> tuple[np.ndarray, np.ndarray]:
+def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int, rows_per_tile: int, split: int,
+                   most_splits: int, unit: int) -> tuple[np.ndarray, np.ndarray]:
     """Which attention kernel takes each row, a property of the row alone (its kind and position),
-    never of the batch: (rows for k_attn_rows, int32 [n]; row tiles for k_attn_tiles, int32 [tiles, 2]
-    of (first row, rows)). Prompt rows at positions >= tile_from go in tiles: runs of consecutive rows
-    of one sequence at consecutive positions (a chunk), cut every rows_per_tile rows; where a cut
-    falls changes nothing a row computes, only how many rows share a K/V read. max_ctx is the batch's
-    largest position + 1 (a step of decode rows, or of short contexts only, skips the tile search)."""
+    never of the batch: (rows for k_attn_rows, int32 [n]; row tiles for k_attn_tiles, int32 [tiles, 3]
+    of (first row, rows, split)). Prompt rows at positions >= tile_from go in tiles: runs of consecutive
+    rows of one sequence at consecutive positions and of one split (prompt_split's), cut every
+    rows_per_tile rows; where a cut falls changes nothing a row computes, only how many rows share a K/V
+    read. max_ctx is the batch's largest position + 1 (a step of decode rows, or of short contexts only,
+    skips the tile search)."""
     R = batch.num_rows
     if batch.decode_rows == R or max_ctx <= tile_from:
         return np.arange(R, dtype=np.int32), _NO_TILES
-    return _cut_tiles(batch.slots, batch.positions, batch.decode_rows, tile_from, rows_per_tile)
+    return _cut_tiles(batch.slots, batch.positions, batch.decode_rows, tile_from, rows_per_tile, split,
+                      most_splits, unit)
 
 
 @njit(cache=True)
-def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile):
+def prompt_split(n, split, most_splits, unit):
+    """The positions a split of a prompt row's context of n positions holds: `split`, or where that
+    would cut the context into more than most_splits, the least multiple of `unit` that does not (a
+    row's tile attention runs one block per split: fewer, longer blocks fit one wave of the GPU; perf
+    log s1). A function of the row's position alone, so a row computes the same bits in any batch or
+    chunk. (`unit` is an argument, not kernels.TP: numba's disk cache keeps a global's value.)"""
+    return max(split, -(-n // (unit * most_splits)) * unit)
+
+
+@njit(cache=True)
+def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile, split, most_splits, unit):
     """attention_plan's tile search in one compiled pass (a prefill step waits for it before the device
     has work): a tiled row continues its predecessor's run where it is the next row, of the same slot, at
-    the next position; a tile starts at every rows_per_tile-th row of a run."""
+    the next position, with the same split; a tile starts at every rows_per_tile-th row of a run."""
     R = len(slots)
-    rows, tiles = np.empty(R, np.int32), np.empty((R, 2), np.int32)
+    rows, tiles = np.empty(R, np.int32), np.empty((R, 3), np.int32)
     n_rows = n_tiles = 0
     offset, prev = 0, -2
     for i in range(R):
@@ -82,11 +95,13 @@ def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile):
             rows[n_rows] = i
             n_rows += 1
             continue
-        runs_on = i == prev + 1 and slots[i] == slots[prev] and positions[i] == positions[prev] + 1
+        own = prompt_split(positions[i] + 1, split, most_splits, unit)
+        runs_on = i == prev + 1 and slots[i] == slots[prev] and positions[i] == positions[prev] + 1 \
+            and own == tiles[n_tiles - 1, 2]
         offset = offset + 1 if runs_on else 0
         prev = i
         if offset % rows_per_tile == 0:
-            tiles[n_tiles, 0], tiles[n_tiles, 1] = i, 1
+            tiles[n_tiles, 0], tiles[n_tiles, 1], tiles[n_tiles, 2] = i, 1, own
             n_tiles += 1
         else:
             tiles[n_tiles - 1, 1] += 1
@@ -127,8 +142,8 @@ class CudaBackend:
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
-                 attn_split: int | None = None, attn_tile_from: int = 2048, graph_rows: int = 16,
-                 max_graphs: int = 64):
+                 attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 2048,
+                 graph_rows: int = 16, max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -175,6 +190,8 @@ class CudaBackend:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
                              f"of {TP}")
         self.reach = self.attn_split * MAX_SPLITS   # positions the attention (and the RoPE table) cover
+        if attn_splits is not None and not 1 <= attn_splits <= MAX_SPLITS:
+            raise ModelError(f"cuda backend: attn_splits={attn_splits} must be in [1, {MAX_SPLITS}]")
         self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
         # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
         # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
@@ -224,8 +241,8 @@ class CudaBackend:
         # One int32 input buffer (one copy per step): tokens | slots | positions | attention rows |
         # attention tiles | logit_rows | tables
         self._o_slots, self._o_pos, self._o_arows, self._o_tiles = R, 2 * R, 3 * R, 4 * R
-        self._o_lrows, self._o_tab = 6 * R, 6 * R + N
-        n_ints = 6 * R + N + self.max_table
+        self._o_lrows, self._o_tab = 7 * R, 7 * R + N
+        n_ints = 7 * R + N + self.max_table
         self.ints = cuda.device_array(n_ints, np.int32)
         self.tokens = self.ints[0:R]
         self.slots = self.ints[self._o_slots:self._o_slots + R]
@@ -273,6 +290,12 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
+        # the prompt tiles' attention: kernel, block, dynamic shared memory
+        self.tile_attention = (self.kernels["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
+            if self.mma_attn else (self.kernels["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
+        # Longer splits where a long context would cut a request's prompt into more blocks than fit
+        # one wave (prompt_split; fixed per model and device, never per batch)
+        self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)
         # RoPE's cos and sin for every position within the attention's reach, computed once
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
         Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
@@ -281,6 +304,18 @@ class CudaBackend:
         s.synchronize()
 
     # ------------------------------------------------------------------------------------ set-up
+    def _most_splits(self) -> int:
+        """The most splits a prompt row's context is cut into: on k_attn_mma as many as let a prompt of
+        PROMPT_ROWS rows (tiles x KV heads x splits blocks) run in one wave of resident blocks (perf log
+        s1). k_attn_tiles (not measured with it) and the simulator (its tests merge many splits) keep
+        attn_split at every context."""
+        if SIM or not self.mma_attn:
+            return MAX_SPLITS
+        kernel, block, shmem = self.tile_attention
+        resident = self.sm_count * kernel.occupancy(block, shmem)
+        tiles = -(-PROMPT_ROWS // self.rows_per_tile)
+        return max(1, min(MAX_SPLITS, resident // (self.cfg.num_kv_heads * tiles)))
+
     def _check_memory(self, weights: Weights) -> None:
         cfg, spec = self.cfg, self.spec
         isz = self.np_dtype.itemsize
@@ -362,8 +397,6 @@ class CudaBackend:
         eps = float(cfg.rms_norm_eps)
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
-        attn_tiles = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
-            else (k["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
                               [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
         self.layers = []
@@ -393,11 +426,11 @@ class CudaBackend:
                                          self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
                                          self.att, kq, self.attn_part, self.attn_count, ROW_SPLITS],
                                         st, f"attn_rows[{l}]")
-            layer["attn_tiles"] = Launch(*attn_tiles,
+            layer["attn_tiles"] = Launch(*self.tile_attention,
                                          [self.qkv, self.dqkv, self.positions, self.attn_tiles, self.slots,
                                           self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
                                           self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
-                                          self.attn_split, self.att, kq, self.attn_part, self.attn_count,
+                                          self.att, kq, self.attn_part, self.attn_count,
                                           MAX_SPLITS], st, f"attn_tiles[{l}]")
             layer.update(self._matrix("o", f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H,
                                       self.b_qkv, 0, self.x, kh, 1))
@@ -451,7 +484,8 @@ class CudaBackend:
         h[:R] = batch.tokens
         h[self._o_slots:self._o_slots + R] = batch.slots
         h[self._o_pos:self._o_pos + R] = batch.positions
-        rows, tiles = attention_plan(batch, max_ctx, self.attn_tile_from, self.rows_per_tile)
+        rows, tiles = attention_plan(batch, max_ctx, self.attn_tile_from, self.rows_per_tile, self.attn_split,
+                                     self.most_splits, TP)
         h[self._o_arows:self._o_arows + len(rows)] = rows
         h[self._o_tiles:self._o_tiles + tiles.size] = tiles.reshape(-1)
         h[self._o_lrows:self._o_lrows + N] = batch.logit_rows
@@ -523,9 +557,10 @@ class CudaBackend:
     def attn_grids(self, max_ctx: int, row_splits: int = ROW_SPLITS) -> tuple[tuple, tuple]:
         """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time
         (rows, heads, splits: a row uses those its own context needs, at most row_splits, k_attn_rows'
-        `maxs`) and row tiles (tiles, KV heads, splits of attn_split positions)."""
+        `maxs`) and row tiles (tiles, KV heads, the most splits a tile's rows have: prompt_split)."""
         rows = (self._n_attn_rows, self.cfg.num_heads, max(1, min(-(-int(max_ctx) // self.t_attn), row_splits)))
-        tiles = (self._n_tiles, self.cfg.num_kv_heads, max(1, -(-int(max_ctx) // self.attn_split)))
+        tiles = (self._n_tiles, self.cfg.num_kv_heads,
+                 max(1, min(self.most_splits, -(-int(max_ctx) // self.attn_split))))
         return rows, tiles
 
     @staticmethod

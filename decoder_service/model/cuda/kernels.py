@@ -1493,15 +1493,15 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
 
 @cuda.jit(cache=True)
 def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
-                 scale, split, out, out_stride, part, counters, maxs):
+                 scale, out, out_stride, part, counters, maxs):
     """Prompt rows' causal GQA attention over the paged pool: one block per (row tile, KV head,
     context split).
 
     A row tile is up to QB // group consecutive rows of one sequence at consecutive positions (tiles:
-    first row, rows); its queries are those rows x the KV head's `group` query heads, so every K/V
+    first row, rows, split); its queries are those rows x the KV head's `group` query heads, so every K/V
     tile is read from the pool once for all of them (a prompt chunk's rows share the whole context).
-    Splits cut the context at absolute multiples of `split`; a query with n = position + 1 uses
-    splits 0..ceil(n / split) - 1. Per split, TP-position K/V tiles are staged in shared memory as
+    Splits cut the context at absolute multiples of the tile's `split` (one for all its rows: a function
+    of a row's position, attention_plan); a query with n = position + 1 uses splits 0..ceil(n / split) - 1. Per split, TP-position K/V tiles are staged in shared memory as
     float32; lane `sub` of a query scores positions sub, sub + TQ, ... (a dot over head_dim in
     ascending order), the tile's max and sum are TQ-lane xor trees, and the lane owns dims sub,
     sub + TQ, ... of the output, summing weight x V over the query's own positions in ascending order
@@ -1510,7 +1510,7 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     tile it lands in or the batch. Several splits write (max, sum, acc) partials; the tile's last
     block to finish (a counter per tile and KV head) merges each query's splits in ascending order
     (one split merges to exactly acc / sum, the value a single-split tile writes directly).
-    Dynamic shared: attn_shared_floats(hd, maxs). Grid (tiles, nkv, splits of the longest context);
+    Dynamic shared: attn_shared_floats(hd, maxs). Grid (tiles, nkv, the most splits a tile has);
     blocks past their tile's splits return at once.
     """
     pdl_enter()
@@ -1522,8 +1522,9 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     sp = cuda.blockIdx.z
     tid = cuda.threadIdx.x
     T = cuda.blockDim.x
-    r0 = tiles[2 * tile]
-    nrows = tiles[2 * tile + 1]
+    r0 = tiles[3 * tile]
+    nrows = tiles[3 * tile + 1]
+    split = tiles[3 * tile + 2]
     nq = nrows * group
     n_max = positions[r0 + nrows - 1] + 1    # the tile's rows are at consecutive positions
     ns = cdiv(n_max, split)
@@ -1807,7 +1808,7 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
 
 @cuda.jit(cache=True, **_MMA_ATTN_JIT)
 def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
-               scale, split, out, out_stride, part, counters, maxs):
+               scale, out, out_stride, part, counters, maxs):
     """k_attn_tiles on the tensor cores (bf16 pool): the same grid, tiles, splits and split merge, for
     MQ queries a tile (MQ // group rows x the KV head's query heads).
 
@@ -1836,8 +1837,9 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     lane = tid % MMA
     g = lane // 4
     t = lane % 4
-    r0 = tiles[2 * tile]
-    nrows = tiles[2 * tile + 1]
+    r0 = tiles[3 * tile]
+    nrows = tiles[3 * tile + 1]
+    split = tiles[3 * tile + 2]
     nq = nrows * group
     n_max = positions[r0 + nrows - 1] + 1
     ns = cdiv(n_max, split)
@@ -2059,12 +2061,12 @@ def signatures(storage: str) -> dict:
         "k_rope_table": (f64, i32, i32, f32),
         "k_attn_rows": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32,
                         f32, ai, i32),
-        "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
+        "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32,
                          i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
         **({"k_gemm": (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32),
-            "k_attn_mma": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, i32, f32,
+            "k_attn_mma": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32,
                            i32, f32, ai, i32)} if storage == "bfloat16" else {}),
     }
 
