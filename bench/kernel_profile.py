@@ -21,16 +21,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.gpu_model_check import MODELS  # noqa: E402
-from bench.step_profile import decode_batch, prefill_batch, sized_backend  # noqa: E402
+from bench.step_profile import decode_batch, parse_case, prefill_batch, sized_backend  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
-
-
-def parse_case(text: str) -> tuple[str, int, int]:
-    kind, _, shape = text.partition(":")
-    rows, _, prefix = shape.partition("@")
-    if kind not in ("decode", "prefill") or not rows.isdigit() or not prefix.isdigit():
-        raise SystemExit(f"bad case {text!r}: expected decode:R@P or prefill:R@P")
-    return kind, int(rows), int(prefix)
 
 
 def main() -> None:

@@ -138,16 +138,13 @@ CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("pr
          ("decode", 1, 1023)]
 
 
-def parse_cases(text: str) -> list:
-    """--cases "prefill:58@4985,decode:1@1023" as CASES' (kind, rows, prefix) triples."""
-    out = []
-    for item in text.split(","):
-        kind, _, shape = item.partition(":")
-        rows, _, prefix = shape.partition("@")
-        if kind not in ("prefill", "decode") or not rows.isdigit() or not prefix.isdigit():
-            raise SystemExit(f"--cases: {item!r} is not KIND:ROWS@PREFIX (KIND prefill or decode)")
-        out.append((kind, int(rows), int(prefix)))
-    return out
+def parse_case(text: str) -> tuple[str, int, int]:
+    """A case as KIND:ROWS@PREFIX (decode:1@4955, prefill:58@4985): CASES' (kind, rows, prefix)."""
+    kind, _, shape = text.partition(":")
+    rows, _, prefix = shape.partition("@")
+    if kind not in ("decode", "prefill") or not rows.isdigit() or not prefix.isdigit():
+        raise SystemExit(f"bad case {text!r}: expected decode:R@P or prefill:R@P")
+    return kind, int(rows), int(prefix)
 
 
 def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CASES) -> None:
@@ -247,7 +244,7 @@ def main() -> None:
         attention_variants(be, timer, per_seq,
                            kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits),
                                            ints(args.row_splits)),
-                           parse_cases(args.cases) if args.cases else CASES)
+                           [parse_case(c) for c in args.cases.split(",")] if args.cases else CASES)
         return
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")
