@@ -3,7 +3,8 @@
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
     python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
     python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
-    python3 bench/step_profile.py --rows 58 --prefix 8000 --attention-splits 256,512 --cases prefill:58@4985,prefill:16@2047
+    python3 bench/step_profile.py --rows 58 --prefix 7999 --attention-splits 256,512 \
+        --cases prefill:58@4985,prefill:16@2047
 
 One sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R

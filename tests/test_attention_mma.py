@@ -5,11 +5,12 @@ chunk of rows after a context whose K/V are random, at the smallest split the bu
 positions under the simulator, 64 on a GPU: the context scales with it), so that a row merges up to
 four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
 the KV head's query heads. Once more with at most three splits a row (prompt_split): the chunk's
-rows past three splits' context take two longer ones, in tiles of their own. The attention output of the last layer must match float64 attention over
-the same q and pool to the level of q and the weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is
-~3e-7, bf16 operands alone ~3e-3), and a row's output must keep its bits when the chunk is cut
-elsewhere (its tile mates change). On a GPU the `gpu`-marked test runs the same, and
-`bench/step_profile.py --attention-regs 0` measures it at SmolLM2's shape.
+rows past three splits' context take two longer ones, in tiles of their own. The attention output of
+the last layer must match float64 attention over the same q and pool to the level of q and the
+weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is ~3e-7, bf16 operands alone ~3e-3), and a row's
+output must keep its bits when the chunk is cut elsewhere (its tile mates change). On a GPU the
+`gpu`-marked test runs the same, and `bench/step_profile.py --attention-regs 0` measures it at
+SmolLM2's shape.
 """
 from __future__ import annotations
 

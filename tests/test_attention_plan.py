@@ -59,8 +59,8 @@ def test_random_batches_cut_every_run_of_rows_into_tiles():
     for _ in range(300):
         # chunks start a few rows before a multiple of TP, where prompt_split may change
         decode = [(int(rng.integers(4)), [1], int(rng.integers(8 * TP))) for _ in range(rng.integers(3))]
-        prompts = [(int(rng.integers(4)), [1] * int(rng.integers(1, 10)), int(TP * rng.integers(1, 8) - rng.integers(10)))
-                   for _ in range(rng.integers(1, 4))]
+        prompts = [(int(rng.integers(4)), [1] * int(rng.integers(1, 10)),
+                    int(TP * rng.integers(1, 8) - rng.integers(10))) for _ in range(rng.integers(1, 4))]
         tile_from, per_tile = int(rng.integers(0, 8 * TP)), int(rng.integers(1, 5))
         split, most = TP * int(rng.integers(1, 4)), int(rng.integers(1, 5))
         batch = StepBatch.from_chunks(decode + prompts, np.zeros((4, 8), np.int32), len(decode))

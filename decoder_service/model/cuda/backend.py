@@ -291,8 +291,9 @@ class CudaBackend:
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         # the prompt tiles' attention: kernel, block, dynamic shared memory
-        self.tile_attention = (self.kernels["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
-            if self.mma_attn else (self.kernels["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
+        self.tile_attention = \
+            (self.kernels["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
+            else (self.kernels["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         # Longer splits where a long context would cut a request's prompt into more blocks than fit
         # one wave (prompt_split; fixed per model and device, never per batch)
         self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)

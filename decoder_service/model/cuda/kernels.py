@@ -1498,18 +1498,19 @@ def k_attn_tiles(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer
     context split).
 
     A row tile is up to QB // group consecutive rows of one sequence at consecutive positions (tiles:
-    first row, rows, split); its queries are those rows x the KV head's `group` query heads, so every K/V
-    tile is read from the pool once for all of them (a prompt chunk's rows share the whole context).
+    first row, rows, split); its queries are those rows x the KV head's `group` query heads, so every
+    K/V tile is read from the pool once for all of them (a prompt chunk's rows share the whole context).
     Splits cut the context at absolute multiples of the tile's `split` (one for all its rows: a function
-    of a row's position, attention_plan); a query with n = position + 1 uses splits 0..ceil(n / split) - 1. Per split, TP-position K/V tiles are staged in shared memory as
-    float32; lane `sub` of a query scores positions sub, sub + TQ, ... (a dot over head_dim in
-    ascending order), the tile's max and sum are TQ-lane xor trees, and the lane owns dims sub,
-    sub + TQ, ... of the output, summing weight x V over the query's own positions in ascending order
-    into an accumulator the tile's max rescales. Positions past the query's own are never summed:
-    what a query computes depends on its position and the pool alone, never on its tile mates, the
-    tile it lands in or the batch. Several splits write (max, sum, acc) partials; the tile's last
-    block to finish (a counter per tile and KV head) merges each query's splits in ascending order
-    (one split merges to exactly acc / sum, the value a single-split tile writes directly).
+    of a row's position, attention_plan); a query with n = position + 1 uses the first ceil(n / split)
+    splits. Per split, TP-position K/V tiles are staged in shared memory as float32; lane `sub` of a
+    query scores positions sub, sub + TQ, ... (a dot over head_dim in ascending order), the tile's max
+    and sum are TQ-lane xor trees, and the lane owns dims sub, sub + TQ, ... of the output, summing
+    weight x V over the query's own positions in ascending order into an accumulator the tile's max
+    rescales. Positions past the query's own are never summed: what a query computes depends on its
+    position and the pool alone, never on its tile mates, the tile it lands in or the batch. Several
+    splits write (max, sum, acc) partials; the tile's last block to finish (a counter per tile and KV
+    head) merges each query's splits in ascending order (one split merges to exactly acc / sum, the
+    value a single-split tile writes directly).
     Dynamic shared: attn_shared_floats(hd, maxs). Grid (tiles, nkv, the most splits a tile has);
     blocks past their tile's splits return at once.
     """
