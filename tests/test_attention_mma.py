@@ -5,7 +5,8 @@ chunk of rows after a context whose K/V are random, at the smallest split the bu
 positions under the simulator, 64 on a GPU: the context scales with it), so that a row merges up to
 four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
 the KV head's query heads. Once more with at most three splits a row (prompt_split): the chunk's
-rows past three splits' context take two longer ones, in tiles of their own. The attention output of
+rows past three splits' context take two longer ones, in tiles of their own (and a backend asked for
+no splits, or more than the merge holds, refuses). The attention output of
 the last layer must match float64 attention over the same q and pool to the level of q and the
 weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is ~3e-7, bf16 operands alone ~3e-3), and a row's
 output must keep its bits when the chunk is cut elsewhere (its tile mates change). On a GPU the
@@ -35,6 +36,8 @@ def test_prompt_attention_on_the_tensor_cores_matches_float64_on_the_gpu():
 
 
 def _assert(result: dict) -> None:
+    refused = result.pop("refused")
+    assert len(refused) == 2 and all("attn_splits=" in m and "must be in [1, 64]" in m for m in refused), refused
     assert set(result) == {"llama", "qwen3", "llama, at most 3 splits"}
     for arch, r in result.items():
         assert r["kernel"] == "k_attn_mma", r
@@ -83,6 +86,26 @@ def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
                 cut_invariant=bool(np.array_equal(whole[5:].view(np.uint32), rest.view(np.uint32))))
 
 
+def _refused(tmp) -> list[str]:
+    """A backend asked for no splits, or for more than the merge holds, says so."""
+    from decoder_service.model.config import ModelConfig, ModelError
+    from decoder_service.model.cuda.backend import CudaBackend
+    from decoder_service.model.kv_pool import KVPoolSpec
+    from decoder_service.model.weights import load_weights
+    from model_fixtures import make_tiny_model
+
+    d = make_tiny_model(tmp, arch="llama", dtype="bfloat16", seed=5)
+    cfg = ModelConfig.from_dir(d)
+    weights = load_weights(d, cfg, dtype="bfloat16", progress=False)
+    out = []
+    for most in (0, 65):
+        try:
+            CudaBackend(cfg, weights, KVPoolSpec(12, 16), max_rows=16, attn_splits=most)
+        except ModelError as e:
+            out.append(str(e))
+    return out
+
+
 if __name__ == "__main__":
     import json
     import sys
@@ -94,5 +117,6 @@ if __name__ == "__main__":
     with tempfile.TemporaryDirectory() as tmp:
         out = {arch: _case(Path(tmp), arch) for arch in ("llama", "qwen3")}
         out["llama, at most 3 splits"] = _case(Path(tmp) / "most", "llama", most_splits=3)
+        out["refused"] = _refused(Path(tmp) / "refused")
     print("RESULT " + json.dumps(out))
     sys.exit(0)
