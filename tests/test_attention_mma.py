@@ -1,17 +1,16 @@
 """k_attn_mma, prompt attention on the tensor cores, against float64 (numba's CUDA simulator, or a GPU).
 
-Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk) prefill a
-chunk of rows after a context whose K/V are random, at the smallest split the build allows (8
-positions under the simulator, 64 on a GPU: the context scales with it), so that a row merges up to
-four splits and the last blocks are partial; the rows attend in tiles of 16 queries, rows x
-the KV head's query heads. Once more with at most three splits a row (prompt_split): the chunk's
-rows past three splits' context take two longer ones, in tiles of their own (and a backend asked for
-no splits, or more than the merge holds, refuses). The attention output of
-the last layer must match float64 attention over the same q and pool to the level of q and the
-weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is ~3e-7, bf16 operands alone ~3e-3), and a row's
-output must keep its bits when the chunk is cut elsewhere (its tile mates change). On a GPU the
-`gpu`-marked test runs the same, and `bench/step_profile.py --attention-regs 0` measures it at
-SmolLM2's shape.
+Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk) prefill a chunk
+of rows after a context whose K/V are random, at the smallest split the build allows (8 positions under
+the simulator, 64 on a GPU: the context scales with it), so that a row merges up to four splits and the
+last blocks are partial; the rows attend in tiles of 16 queries, rows x the KV head's query heads. Once
+more with at most three splits a row (prompt_split): the chunk's rows past three splits' context take
+two longer ones, in tiles of their own (and a backend asked for no splits, or more than the merge holds,
+refuses). The attention output of the last layer must match float64 attention over the same q and pool
+to the level of q and the weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is ~3e-7, bf16 operands
+alone ~3e-3), and a row's output must keep its bits when the chunk is cut elsewhere (its tile mates
+change). On a GPU the `gpu`-marked test runs the same, and `bench/step_profile.py --attention-regs 0`
+measures it at SmolLM2's shape.
 """
 from __future__ import annotations
 
