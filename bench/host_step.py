@@ -22,11 +22,14 @@ from bench.workload import load_workload
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.engine.sequence import State
 from decoder_service.model.cuda.backend import attention_plan
+from decoder_service.model.cuda.kernels import MMA_SPLIT, MQ, TP
 from shared.config import DEFAULT_MODEL_DIR
 from shared.tokenizer import ModelTokenizer
 
 BLOCK, NUM_BLOCKS = 16, 40_000
-SMOLLM2_TILES = (5, 256, 10, 64)   # CudaBackend's rows a tile, split, most splits and TP: SmolLM2 on the H200
+# CudaBackend's prompt-tile plan for SmolLM2 (9 query heads on 3 KV heads: MQ // 3 rows a tile) on the H200,
+# where CudaBackend._most_splits gives 10 (perf log s1)
+SMOLLM2_TILES = (MQ // 3, MMA_SPLIT, 10, TP)
 
 
 class NullBackend:

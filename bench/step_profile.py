@@ -191,9 +191,11 @@ def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_spli
     be.attn_tile_from = 0
     if split is not None:
         be.attn_split, be.most_splits = split, MAX_SPLITS
-    be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
-    rows, tiles = be.attn_grids(int(batch.positions.max()) + 1, row_splits)
-    be.attn_tile_from, be.attn_split, be.most_splits = saved
+    try:
+        be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
+        rows, tiles = be.attn_grids(int(batch.positions.max()) + 1, row_splits)
+    finally:
+        be.attn_tile_from, be.attn_split, be.most_splits = saved
     return rows if kernel == "rows" else tiles
 
 

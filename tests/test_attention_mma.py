@@ -65,7 +65,8 @@ def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
     for pool in (be.kv_k, be.kv_v):
         pool.copy_to_device(f32_to_bf16(rng.standard_normal(pool.size).astype(np.float32)))
     table = np.array([[7, 2, 9, 0, 11, 4, 1, 5]], np.int32)        # 32 x scale positions, blocks out of order
-    L, nh, hd, R, start = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13, 3 * TP - 7   # contexts 3 TP - 6 .. 3 TP + 6
+    # 13 rows at contexts 3 TP - 6 .. 3 TP + 6: at most 3 splits, the last 6 rows take longer ones
+    L, nh, hd, R, start = cfg.num_layers, cfg.num_heads, cfg.head_dim, 13, 3 * TP - 7
 
     def prefill(first: int, rows: int) -> np.ndarray:
         """Rows first .. first + rows - 1 of the chunk at positions start ..; the last layer's output."""

@@ -18,7 +18,8 @@ def test_decode_rows_and_early_prompt_rows_go_one_at_a_time_later_prompt_rows_in
     # rows 9..10: another sequence's chunk at 20..21
     rows, tiles = _plan([(0, [1], 30), (1, list(range(8)), 6), (2, [1, 2], 20)], decode_rows=1)
     assert rows.tolist() == [0, 1, 2, 3, 4]
-    assert tiles.tolist() == [[5, 3, TP], [8, 1, TP], [9, 2, TP]]   # cut every 3 rows, and where the sequence changes
+    # cut every 3 rows, and where the sequence changes
+    assert tiles.tolist() == [[5, 3, TP], [8, 1, TP], [9, 2, TP]]
 
 
 def test_a_step_of_decode_rows_or_short_contexts_has_no_tiles():
@@ -73,7 +74,8 @@ def test_random_batches_cut_every_run_of_rows_into_tiles():
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        want = [[run[j], len(run[j:j + per_tile]), own[run[j]]] for run in runs for j in range(0, len(run), per_tile)]
+        want = [[run[j], len(run[j:j + per_tile]), own[run[j]]]
+                for run in runs for j in range(0, len(run), per_tile)]
         rows, tiles = attention_plan(batch, int(batch.positions.max()) + 1, tile_from, per_tile, split, most, TP)
         assert tiles.tolist() == want
         assert rows.tolist() == [i for i in range(batch.num_rows) if i not in tiled]

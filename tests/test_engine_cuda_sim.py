@@ -146,7 +146,7 @@ def main() -> None:
             if one_at_a_time:
                 engine.run_until_idle()
         engine.run_until_idle()
-        ahead[len(ahead)] = engine.steps_ahead
+        ahead.append(engine.steps_ahead)
         forced.append(engine.tokens_forced)
         out = []
         for seq in seqs:
@@ -155,7 +155,7 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
-    ahead, forced = {}, []  # steps launched ahead and tokens taken without a step, by serve() call
+    ahead, forced = [], []  # steps launched ahead and tokens taken without a step, by serve() call
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
@@ -170,7 +170,7 @@ def main() -> None:
     print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
-                                  "steps_ahead": [ahead[0], ahead[1], ahead[2], ahead[3]],
+                                  "steps_ahead": ahead[:4],
                                   "tokens_forced": forced[:4], "levers_are_exact": alone == in_turn}))
 
 

@@ -291,15 +291,15 @@ class CudaBackend:
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         # the prompt tiles' attention: kernel, block, dynamic shared memory
-        self.tile_attention = \
-            (self.kernels["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) if self.mma_attn \
-            else (self.kernels["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
+        k = self.kernels
+        self.tile_attention = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
+            if self.mma_attn else (k["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         # Longer splits where a long context would cut a request's prompt into more blocks than fit
         # one wave (prompt_split; fixed per model and device, never per batch)
         self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)
         # RoPE's cos and sin for every position within the attention's reach, computed once
         inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
-        Launch(self.kernels["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
+        Launch(k["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
                s.handle, "rope_table").launch(-(-self.reach * (hd // 2) // self.t_small))
         self._build_launches()
         s.synchronize()
