@@ -52,8 +52,10 @@ def reference(x, Wf, gamma, bias, base, K_, mode, use_norm, use_bias):
     return y
 
 
-def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias: int, first: int = 3) -> dict:
-    """One k_gemm case over rows [first, first + M) of a (first + M + 2)-row buffer."""
+def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias: int, warps: int,
+               first: int = 3) -> dict:
+    """One k_gemm case, blocks of `warps` warps, over rows [first, first + M) of a (first + M + 2)-row
+    buffer."""
     from numba import cuda
     Kp = -(-K_ // 8) * 8
     rows = first + M + 2
@@ -74,9 +76,9 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     def run(lo):
         out = cuda.to_device(init.reshape(-1))
         grid = (-(-N // K.GEMM_COLS), -(-(end - lo) // K.GEMM_ROWS))
-        K.k_gemm[grid, K.GEMM_WARPS * K.MMA](d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp),
-                                            i32(K_), i32(N), d_b, i32(use_bias), out, i32(width), i32(mode),
-                                            i32(lo), i32(end))
+        K.k_gemm[grid, warps * K.MMA, 0, K.gemm_shared_bytes(warps)](d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp),
+                                                                   i32(K_), i32(N), d_b, i32(use_bias), out,
+                                                                   i32(width), i32(mode), i32(lo), i32(end))
         return out.copy_to_host().reshape(rows, width)
 
     shift = min(5, M - 1)                # rows from first + shift land elsewhere in their row block
@@ -85,20 +87,22 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     out = got[first:end].astype(np.float64)
     untouched = np.array_equal(got[:first], init[:first], equal_nan=True) and \
         np.array_equal(got[end:], init[end:], equal_nan=True)
-    return dict(K=K_, N=N, M=M, mode=mode, norm=use_norm, bias=use_bias,
+    return dict(K=K_, N=N, M=M, mode=mode, norm=use_norm, bias=use_bias, warps=warps,
                 rel=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else math.inf,
                 written=bool(np.isfinite(out).all()), untouched=bool(untouched),
                 row_bits_own=bool(np.array_equal(got[first + shift:end], shifted[first + shift:end])))
 
 
 def correctness(rng, shapes) -> list[dict]:
-    return [check_gemm(rng, *s) for s in shapes]
+    """Every shape at each of WARPS warps a block."""
+    return [check_gemm(rng, *s, warps) for s in shapes for warps in WARPS]
 
 
 SMOLLM2 = [(576, 960, 71, 0, 1, 1), (576, 576, 71, 1, 0, 0), (576, 3072, 71, 2, 1, 0), (1536, 576, 71, 1, 0, 0),
            (576, 960, 1, 0, 1, 0), (576, 3072, 300, 2, 1, 0)]
 RAGGED = [(72, 40, 21, 0, 1, 1), (72, 40, 21, 1, 0, 0), (40, 48, 17, 2, 1, 0)]   # K, N not multiples of 32
 TOLERANCE = 3e-5
+WARPS = (K.GEMM_WARPS, 8)     # the default block and a wider split of K (CudaBackend's gemm_warps)
 
 
 def timing(rows: list[int]) -> list[tuple]:
@@ -136,7 +140,8 @@ def main() -> None:
     for r in correctness(rng, SMOLLM2 + RAGGED):
         ok = r["rel"] < TOLERANCE and r["written"] and r["untouched"] and r["row_bits_own"]
         bad += not ok
-        print(f"K {r['K']:5d} N {r['N']:5d} M {r['M']:4d} {MODES[r['mode']]:13s} norm {r['norm']} bias {r['bias']}: "
+        print(f"K {r['K']:5d} N {r['N']:5d} M {r['M']:4d} {MODES[r['mode']]:13s} norm {r['norm']} bias {r['bias']} "
+              f"warps {r['warps']}: "
               f"rel {r['rel']:.2e}  written {r['written']}  others untouched {r['untouched']}  "
               f"row bits its own {r['row_bits_own']}  {'OK' if ok else 'FAIL'}", flush=True)
     rows = [int(v) for v in args.rows.split(",")]

@@ -3,6 +3,7 @@
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
     python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
     python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
+    python3 bench/step_profile.py --rows 1,58 --prefix 4985 --gemm-warps 8,16
     python3 bench/step_profile.py --rows 58 --prefix 7999 --attention-splits 256,512 \
         --cases prefill:58@4985,prefill:16@2047
 
@@ -234,6 +235,8 @@ def main() -> None:
                    help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
+    p.add_argument("--gemm-warps", default="", help="e.g. 8,16: and the prefill cases with k_gemm blocks of "
+                   "these warps (CudaBackend's gemm_warps), each on a backend of its own")
     p.add_argument("--cases", default="", help="attention variants' cases, e.g. prefill:58@4985,decode:1@1023 "
                    "(default: CASES; each fits --rows and --prefix)")
     args = p.parse_args()
@@ -252,12 +255,19 @@ def main() -> None:
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |")
-    for prefix in prefixes:
-        for R in rows_list:
-            for case, make in (("prefill", prefill_batch), ("decode", decode_batch)):
-                t = profile(be, timer, make(R, prefix, per_seq))
-                print(f"| {case} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
-                      + f" | {t['forward']:.0f} |", flush=True)
+    for warps in [None] + [int(w) for w in args.gemm_warps.split(",") if w]:
+        if warps is not None:       # the prompt rows' GEMMs with another split of K: a backend of its own
+            be, _ = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list), gemm_warps=warps)
+            timer = Timer(be)
+        for prefix in prefixes:
+            for R in rows_list:
+                for case, make in (("prefill", prefill_batch), ("decode", decode_batch)):
+                    if warps is not None and case == "decode":
+                        continue            # decode rows never run k_gemm
+                    t = profile(be, timer, make(R, prefix, per_seq))
+                    label = case if warps is None else f"{case}, k_gemm {warps} warps"
+                    print(f"| {label} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
+                          + f" | {t['forward']:.0f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,23 @@ def make_tiny_model(tmp_path: Path, arch: str = "llama", dtype: str = "float32",
         weight_map.update({n: file for n in part})
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
+
+
+def backend_refusals(tmp_path: Path, option: str, values) -> list[str]:
+    """The ModelError messages of a CudaBackend (a tiny bf16 llama) built with `option` set to each of
+    `values`: what a user asking for a launch setting out of range reads."""
+    from decoder_service.model.config import ModelError
+    from decoder_service.model.cuda.backend import CudaBackend
+    from decoder_service.model.kv_pool import KVPoolSpec
+    from decoder_service.model.weights import load_weights
+
+    d = make_tiny_model(tmp_path, arch="llama", dtype="bfloat16", seed=5)
+    cfg = ModelConfig.from_dir(d)
+    weights = load_weights(d, cfg, dtype="bfloat16", progress=False)
+    out = []
+    for value in values:
+        try:
+            CudaBackend(cfg, weights, KVPoolSpec(12, 16), max_rows=16, **{option: value})
+        except ModelError as e:
+            out.append(str(e))
+    return out

@@ -86,26 +86,6 @@ def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
                 cut_invariant=bool(np.array_equal(whole[5:].view(np.uint32), rest.view(np.uint32))))
 
 
-def _refused(tmp) -> list[str]:
-    """A backend asked for no splits, or for more than the merge holds, says so."""
-    from decoder_service.model.config import ModelConfig, ModelError
-    from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.kv_pool import KVPoolSpec
-    from decoder_service.model.weights import load_weights
-    from model_fixtures import make_tiny_model
-
-    d = make_tiny_model(tmp, arch="llama", dtype="bfloat16", seed=5)
-    cfg = ModelConfig.from_dir(d)
-    weights = load_weights(d, cfg, dtype="bfloat16", progress=False)
-    out = []
-    for most in (0, 65):
-        try:
-            CudaBackend(cfg, weights, KVPoolSpec(12, 16), max_rows=16, attn_splits=most)
-        except ModelError as e:
-            out.append(str(e))
-    return out
-
-
 if __name__ == "__main__":
     import json
     import sys
@@ -113,10 +93,11 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from decoder_service.model.cuda import sim_accel
+    from model_fixtures import backend_refusals
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:
         out = {arch: _case(Path(tmp), arch) for arch in ("llama", "qwen3")}
         out["llama, at most 3 splits"] = _case(Path(tmp) / "most", "llama", most_splits=3)
-        out["refused"] = _refused(Path(tmp) / "refused")
+        out["refused"] = backend_refusals(Path(tmp) / "refused", "attn_splits", (0, 65))
     print("RESULT " + json.dumps(out))
     sys.exit(0)

@@ -41,8 +41,9 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM,
-                      TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
+from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_NT, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB,
+                      ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats,
+                      gemm_shared_bytes)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -143,7 +144,7 @@ class CudaBackend:
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
                  attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 2048,
-                 graph_rows: int = 16, max_graphs: int = 64):
+                 gemm_warps: int = GEMM_WARPS, graph_rows: int = 16, max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -200,6 +201,9 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = weights.dtype == "bfloat16"
+        if not GEMM_NT <= gemm_warps <= 32:
+            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be in [{GEMM_NT}, 32]")
+        self.gemm_warps = int(gemm_warps)        # k_gemm's split of K: fixed per model (a row's bits)
 
         self._check_memory(weights)
         self.stream = Stream()
@@ -290,6 +294,10 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
+        if self.gemm and self.kernels["k_gemm"].occupancy(self.gemm_warps * MMA,
+                                                                      gemm_shared_bytes(self.gemm_warps)) < 1:
+            raise ModelError(f"cuda backend: gemm_warps={self.gemm_warps}: a k_gemm block of that many warps "
+                             f"does not fit on an SM (registers)")
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
         self.tile_attention = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
@@ -387,8 +395,9 @@ class CudaBackend:
         if self.gemm:
             args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
                     out, out_stride, mode, *self.gemm_rows]
-            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], GEMM_WARPS * MMA, 0, args,
-                                              self.stream.handle, name + "/gemm"), -(-N // GEMM_COLS))
+            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], self.gemm_warps * MMA,
+                                              gemm_shared_bytes(self.gemm_warps), args, self.stream.handle,
+                                              name + "/gemm"), -(-N // GEMM_COLS))
         return launches
 
     def _build_launches(self) -> None:

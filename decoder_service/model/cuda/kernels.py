@@ -42,16 +42,14 @@ ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) 
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
 ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
-# Prompt rows of bf16 models (k_gemm): mma.sync m16n8k16 on the tensor cores, a block of GEMM_WARPS
-# warps per (GEMM_ROWS rows x GEMM_COLS columns), each warp every GEMM_WARPS-th 32-wide K chunk.
+# Prompt rows of bf16 models (k_gemm): mma.sync m16n8k16 on the tensor cores, a block of warps per
+# (GEMM_ROWS rows x GEMM_COLS columns), each warp every (warps)-th 32-wide K chunk.
 MMA = 32                      # lanes of an mma warp (the simulator's too: the fragments are 32-lane)
 GEMM_ROWS = 16                # k_gemm: input rows per block (the mma's M)
-GEMM_NT = 4                   # k_gemm: n8 tiles per block; = GEMM_WARPS (one epilogue thread per fragment)
+GEMM_NT = 4                   # k_gemm: n8 tiles per block (its first GEMM_NT warps finish one each)
 GEMM_COLS = 8 * GEMM_NT       # k_gemm: output columns per block
-GEMM_WARPS = 4                # k_gemm: warps per block (split K)
-GEMM_PART = GEMM_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
-GEMM_ACC = 4 * GEMM_NT                       # k_gemm: a lane's accumulators (4 per n8 tile)
-GEMM_SSQ = GEMM_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
+GEMM_WARPS = 4                # k_gemm: default warps per block (split K; at least GEMM_NT)
+GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
 MMA_HD = 64                   # k_attn_mma: largest head_dim (registers and shared sizes; perf log m3)
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
@@ -1131,26 +1129,33 @@ def gemm_chunk(cx, cw, acc, sa, sb, use_norm):
     return sa, sb
 
 
+def gemm_shared_bytes(warps: int) -> int:
+    """k_gemm's dynamic shared memory: each warp's partial tiles and its rows' sums of squares."""
+    return 4 * warps * (GEMM_NT * 4 * MMA + GEMM_ROWS)
+
+
 @cuda.jit(cache=True)
 def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
     f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
 
-    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its GEMM_WARPS warps each take every
-    GEMM_WARPS-th 32-wide K chunk. In a chunk, lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8
-    at k .. k+7 (k = chunk + 8t) and the same eight k of weight row g of each n8 tile: the mma's k
-    index is permuted within the chunk the same way for both operands, so each mma pair sums the chunk's
-    full dot product, with one 16-byte load per operand row. x (times gamma under a norm) enters as bf16
-    hi + lo (two mmas, ~16 significant bits); weights are exact. The norm's 1/rms scales the finished
+    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its warps (blockDim / MMA, at least GEMM_NT:
+    a choice of the model, never of the batch) each take every (warps)-th 32-wide K chunk. In a chunk,
+    lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8 at k .. k+7 (k = chunk + 8t) and the same
+    eight k of weight row g of each n8 tile: the mma's k index is permuted within the chunk the same way
+    for both operands, so each mma pair sums the chunk's full dot product, with one 16-byte load per
+    operand row. x (times gamma under a norm) enters as bf16 hi + lo (two mmas, ~16 significant bits);
+    weights are exact. The norm's 1/rms scales the finished
     sum. The warps' partials are summed in warp order. What an output element computes depends on its
     row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
     a row's bits are its own (checked by bench/gemm_check.py on the device).
-    Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
+    Dynamic shared memory: gemm_shared_bytes(warps). Padding columns of x and gamma (to Kp) must be zero."""
     pdl_enter()
-    part = cuda.shared.array(GEMM_PART, nb_f32)
-    ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
+    part = cuda.shared.array(0, nb_f32)     # the warps' partial tiles, then their sums of squares
     acc = cuda.local.array(GEMM_ACC, nb_f32)
     tid = cuda.threadIdx.x
+    warps = cuda.blockDim.x // MMA
+    ssq = warps * GEMM_NT * 4 * MMA          # where the sums of squares start in `part`
     w = tid // MMA
     lane = tid % MMA
     g = lane // 4
@@ -1169,7 +1174,7 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     cw = cuda.local.array(GEMM_ACC, nb_u32)
     nx = cuda.local.array(24, nb_f32)
     nw = cuda.local.array(GEMM_ACC, nb_u32)
-    step = GEMM_WARPS * 32
+    step = warps * 32
     c = w * 32
     gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c)
     while c < Kp:
@@ -1188,25 +1193,25 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         sa = quad_sum(sa)
         sb = quad_sum(sb)
         if t == 0:
-            ssq[w * GEMM_ROWS + g] = sa
-            ssq[w * GEMM_ROWS + g + 8] = sb
+            part[ssq + w * GEMM_ROWS + g] = sa
+            part[ssq + w * GEMM_ROWS + g + 8] = sb
     cuda.syncthreads()
-    # epilogue: thread (w, lane) finishes fragment `lane` of n8 tile w (GEMM_NT == GEMM_WARPS)
+    # epilogue: thread (w, lane) of the first GEMM_NT warps finishes fragment `lane` of n8 tile w
     col = n0 + 8 * w + 2 * t
-    if col >= N:
+    if w >= GEMM_NT or col >= N:
         return
     for h in range(2):
         row = m0 + g + 8 * h
         if row < end:
             v0 = part[(w * 4 + 2 * h) * MMA + lane]
             v1 = part[(w * 4 + 2 * h + 1) * MMA + lane]
-            for u in range(1, GEMM_WARPS):
+            for u in range(1, warps):
                 v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
                 v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
             if use_norm != 0:
-                s = ssq[g + 8 * h]
-                for u in range(1, GEMM_WARPS):
-                    s += ssq[u * GEMM_ROWS + g + 8 * h]
+                s = part[ssq + g + 8 * h]
+                for u in range(1, warps):
+                    s += part[ssq + u * GEMM_ROWS + g + 8 * h]
                 inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
                 v0 *= inv
                 v1 *= inv
