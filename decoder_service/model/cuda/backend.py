@@ -144,7 +144,7 @@ class CudaBackend:
                  max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
                  attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 2048,
-                 gemm_warps: int = GEMM_WARPS, graph_rows: int = 16, max_graphs: int = 64):
+                 gemm_warps: int | None = None, graph_rows: int = 16, max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -201,9 +201,9 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = weights.dtype == "bfloat16"
-        if not GEMM_NT <= gemm_warps <= 32:
+        if gemm_warps is not None and not GEMM_NT <= gemm_warps <= 32:
             raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be in [{GEMM_NT}, 32]")
-        self.gemm_warps = int(gemm_warps)        # k_gemm's split of K: fixed per model (a row's bits)
+        self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
         self._check_memory(weights)
         self.stream = Stream()
@@ -294,8 +294,8 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
-        if self.gemm and self.kernels["k_gemm"].occupancy(self.gemm_warps * MMA,
-                                                                      gemm_shared_bytes(self.gemm_warps)) < 1:
+        if self.gemm and any(self.kernels["k_gemm"].occupancy(w * MMA, gemm_shared_bytes(w)) < 1
+                             for w in {self._gemm_warps(kp) for kp in (self.kp_h, self.kp_q, self.kp_i)}):
             raise ModelError(f"cuda backend: gemm_warps={self.gemm_warps}: a k_gemm block of that many warps "
                              f"does not fit on an SM (registers)")
         # the prompt tiles' attention: kernel, block, dynamic shared memory
@@ -353,6 +353,14 @@ class CudaBackend:
             return self.gemv_threads
         return 128 if n_rows * kp * self.np_dtype.itemsize < 12e6 else 256
 
+    def _gemm_warps(self, kp: int) -> int:
+        """k_gemm's warps a block for a matrix kp columns wide (fixed per model: a row's bits): twice the
+        default where K is long enough that each of 4 warps would chain more than 8 chunks (SmolLM2's down
+        projection: 12 chunks a warp at 4, 7.7 against 10.5 µs a layer at 8; perf log g1), else the default."""
+        if self.gemm_warps is not None:
+            return self.gemm_warps
+        return 2 * GEMM_WARPS if kp > 8 * GEMM_WARPS * 32 else GEMM_WARPS
+
     def _gemv_grid(self, kernel: Kernel, threads: int, n_out_rows: int, shmem: int) -> tuple[int, int]:
         """(blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond);
         the resident wave)."""
@@ -395,9 +403,9 @@ class CudaBackend:
         if self.gemm:
             args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
                     out, out_stride, mode, *self.gemm_rows]
-            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], self.gemm_warps * MMA,
-                                              gemm_shared_bytes(self.gemm_warps), args, self.stream.handle,
-                                              name + "/gemm"), -(-N // GEMM_COLS))
+            warps = self._gemm_warps(kp)
+            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], warps * MMA, gemm_shared_bytes(warps), args,
+                                              self.stream.handle, name + "/gemm"), -(-N // GEMM_COLS))
         return launches
 
     def _build_launches(self) -> None:
