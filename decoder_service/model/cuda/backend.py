@@ -41,9 +41,8 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_NT, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB,
-                      ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats,
-                      gemm_shared_bytes)
+from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_MAX_WARPS, GEMM_NT, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB,
+                      ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -201,8 +200,8 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = weights.dtype == "bfloat16"
-        if gemm_warps is not None and not GEMM_NT <= gemm_warps <= 32:
-            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be in [{GEMM_NT}, 32]")
+        if gemm_warps is not None and not GEMM_NT <= gemm_warps <= GEMM_MAX_WARPS:
+            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be in [{GEMM_NT}, {GEMM_MAX_WARPS}]")
         self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
         self._check_memory(weights)
@@ -294,10 +293,6 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
-        if self.gemm and any(self.kernels["k_gemm"].occupancy(w * MMA, gemm_shared_bytes(w)) < 1
-                             for w in {self._gemm_warps(kp) for kp in (self.kp_h, self.kp_q, self.kp_i)}):
-            raise ModelError(f"cuda backend: gemm_warps={self.gemm_warps}: a k_gemm block of that many warps "
-                             f"does not fit on an SM (registers)")
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
         self.tile_attention = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
@@ -404,8 +399,8 @@ class CudaBackend:
             args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
                     out, out_stride, mode, *self.gemm_rows]
             warps = self._gemm_warps(kp)
-            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], warps * MMA, gemm_shared_bytes(warps), args,
-                                              self.stream.handle, name + "/gemm"), -(-N // GEMM_COLS))
+            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], warps * MMA, 0, args, self.stream.handle,
+                                              name + "/gemm"), -(-N // GEMM_COLS))
         return launches
 
     def _build_launches(self) -> None:

@@ -49,7 +49,10 @@ GEMM_ROWS = 16                # k_gemm: input rows per block (the mma's M)
 GEMM_NT = 4                   # k_gemm: n8 tiles per block (its first GEMM_NT warps finish one each)
 GEMM_COLS = 8 * GEMM_NT       # k_gemm: output columns per block
 GEMM_WARPS = 4                # k_gemm: default warps per block (split K; at least GEMM_NT)
+GEMM_MAX_WARPS = 8            # k_gemm: most warps per block (its static shared memory)
 GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
+GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
+GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
 MMA_HD = 64                   # k_attn_mma: largest head_dim (registers and shared sizes; perf log m3)
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
@@ -1129,11 +1132,6 @@ def gemm_chunk(cx, cw, acc, sa, sb, use_norm):
     return sa, sb
 
 
-def gemm_shared_bytes(warps: int) -> int:
-    """k_gemm's dynamic shared memory: each warp's partial tiles and its rows' sums of squares."""
-    return 4 * warps * (GEMM_NT * 4 * MMA + GEMM_ROWS)
-
-
 @cuda.jit(cache=True)
 def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
@@ -1149,13 +1147,13 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     sum. The warps' partials are summed in warp order. What an output element computes depends on its
     row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
     a row's bits are its own (checked by bench/gemm_check.py on the device).
-    Dynamic shared memory: gemm_shared_bytes(warps). Padding columns of x and gamma (to Kp) must be zero."""
+    Block: GEMM_NT .. GEMM_MAX_WARPS warps. Padding columns of x and gamma (to Kp) must be zero."""
     pdl_enter()
-    part = cuda.shared.array(0, nb_f32)     # the warps' partial tiles, then their sums of squares
+    part = cuda.shared.array(GEMM_PART, nb_f32)
+    ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
     acc = cuda.local.array(GEMM_ACC, nb_f32)
     tid = cuda.threadIdx.x
     warps = cuda.blockDim.x // MMA
-    ssq = warps * GEMM_NT * 4 * MMA          # where the sums of squares start in `part`
     w = tid // MMA
     lane = tid % MMA
     g = lane // 4
@@ -1193,8 +1191,8 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         sa = quad_sum(sa)
         sb = quad_sum(sb)
         if t == 0:
-            part[ssq + w * GEMM_ROWS + g] = sa
-            part[ssq + w * GEMM_ROWS + g + 8] = sb
+            ssq[w * GEMM_ROWS + g] = sa
+            ssq[w * GEMM_ROWS + g + 8] = sb
     cuda.syncthreads()
     # epilogue: thread (w, lane) of the first GEMM_NT warps finishes fragment `lane` of n8 tile w
     col = n0 + 8 * w + 2 * t
@@ -1205,13 +1203,15 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         if row < end:
             v0 = part[(w * 4 + 2 * h) * MMA + lane]
             v1 = part[(w * 4 + 2 * h + 1) * MMA + lane]
-            for u in range(1, warps):
-                v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
-                v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
+            for u in range(1, GEMM_MAX_WARPS):      # a constant trip count: unrolled
+                if u < warps:
+                    v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
+                    v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
             if use_norm != 0:
-                s = part[ssq + g + 8 * h]
-                for u in range(1, warps):
-                    s += part[ssq + u * GEMM_ROWS + g + 8 * h]
+                s = ssq[g + 8 * h]
+                for u in range(1, GEMM_MAX_WARPS):
+                    if u < warps:
+                        s += ssq[u * GEMM_ROWS + g + 8 * h]
                 inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
                 v0 *= inv
                 v1 *= inv
