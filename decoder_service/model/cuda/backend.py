@@ -200,8 +200,9 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = weights.dtype == "bfloat16"
-        if gemm_warps is not None and not GEMM_NT <= gemm_warps <= GEMM_MAX_WARPS:
-            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be in [{GEMM_NT}, {GEMM_MAX_WARPS}]")
+        if gemm_warps not in (None, GEMM_WARPS, GEMM_MAX_WARPS):
+            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be {GEMM_WARPS} (k_gemm) or "
+                             f"{GEMM_MAX_WARPS} (k_gemm_wide)")
         self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
         self._check_memory(weights)
@@ -291,7 +292,8 @@ class CudaBackend:
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         # (only those this model launches: the prompt tiles' kernel is k_attn_mma or k_attn_tiles)
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm"] if self.gemm else [])
+                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm", "k_gemm_wide"] if self.gemm
+                                                                                      else [])
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
@@ -349,12 +351,12 @@ class CudaBackend:
         return 128 if n_rows * kp * self.np_dtype.itemsize < 12e6 else 256
 
     def _gemm_warps(self, kp: int) -> int:
-        """k_gemm's warps a block for a matrix kp columns wide (fixed per model: a row's bits): twice the
-        default where K is long enough that each of 4 warps would chain more than 8 chunks (SmolLM2's down
-        projection: 12 chunks a warp at 4, 7.7 against 10.5 µs a layer at 8; perf log g1), else the default."""
+        """k_gemm's warps a block for a matrix kp columns wide (fixed per model: a row's bits): k_gemm_wide's
+        where K is long enough that each of k_gemm's warps would chain more than 8 chunks (SmolLM2's down
+        projection: 12 chunks a warp, 10.5 against 7.8 µs a layer at 58 rows; perf log g1), else k_gemm's."""
         if self.gemm_warps is not None:
             return self.gemm_warps
-        return 2 * GEMM_WARPS if kp > 8 * GEMM_WARPS * 32 else GEMM_WARPS
+        return GEMM_MAX_WARPS if kp > 8 * GEMM_WARPS * 32 else GEMM_WARPS
 
     def _gemv_grid(self, kernel: Kernel, threads: int, n_out_rows: int, shmem: int) -> tuple[int, int]:
         """(blocks along x: enough for every row pair, at most one resident wave (grid-stride beyond);
@@ -399,8 +401,9 @@ class CudaBackend:
             args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
                     out, out_stride, mode, *self.gemm_rows]
             warps = self._gemm_warps(kp)
-            launches[key + "/gemm"] = (Launch(self.kernels["k_gemm"], warps * MMA, 0, args, self.stream.handle,
-                                              name + "/gemm"), -(-N // GEMM_COLS))
+            kernel = self.kernels["k_gemm" if warps == GEMM_WARPS else "k_gemm_wide"]
+            launches[key + "/gemm"] = (Launch(kernel, warps * MMA, 0, args, self.stream.handle, name + "/gemm"),
+                                       -(-N // GEMM_COLS))
         return launches
 
     def _build_launches(self) -> None:

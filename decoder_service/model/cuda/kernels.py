@@ -1132,28 +1132,16 @@ def gemm_chunk(cx, cw, acc, sa, sb, use_norm):
     return sa, sb
 
 
-@cuda.jit(cache=True)
-def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
-    """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
-    f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
-
-    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its warps (blockDim / MMA, at least GEMM_NT:
-    a choice of the model, never of the batch) each take every (warps)-th 32-wide K chunk. In a chunk,
-    lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8 at k .. k+7 (k = chunk + 8t) and the same
-    eight k of weight row g of each n8 tile: the mma's k index is permuted within the chunk the same way
-    for both operands, so each mma pair sums the chunk's full dot product, with one 16-byte load per
-    operand row. x (times gamma under a norm) enters as bf16 hi + lo (two mmas, ~16 significant bits);
-    weights are exact. The norm's 1/rms scales the finished
-    sum. The warps' partials are summed in warp order. What an output element computes depends on its
-    row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
-    a row's bits are its own (checked by bench/gemm_check.py on the device).
-    Block: GEMM_NT .. GEMM_MAX_WARPS warps. Padding columns of x and gamma (to Kp) must be zero."""
+@cuda.jit(device=True, inline="always")
+def gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               warps):
+    """k_gemm's block with `warps` warps, a constant of the kernel that calls it (so the loops over the
+    warps unroll as they would over a literal)."""
     pdl_enter()
     part = cuda.shared.array(GEMM_PART, nb_f32)
     ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
     acc = cuda.local.array(GEMM_ACC, nb_f32)
     tid = cuda.threadIdx.x
-    warps = cuda.blockDim.x // MMA
     w = tid // MMA
     lane = tid % MMA
     g = lane // 4
@@ -1203,19 +1191,47 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
         if row < end:
             v0 = part[(w * 4 + 2 * h) * MMA + lane]
             v1 = part[(w * 4 + 2 * h + 1) * MMA + lane]
-            for u in range(1, GEMM_MAX_WARPS):      # a constant trip count: unrolled
-                if u < warps:
-                    v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
-                    v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
+            for u in range(1, warps):
+                v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
+                v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
             if use_norm != 0:
                 s = ssq[g + 8 * h]
-                for u in range(1, GEMM_MAX_WARPS):
-                    if u < warps:
-                        s += ssq[u * GEMM_ROWS + g + 8 * h]
+                for u in range(1, warps):
+                    s += ssq[u * GEMM_ROWS + g + 8 * h]
                 inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
                 v0 *= inv
                 v1 *= inv
             gemv_store(out, np.int64(row) * out_stride, col // 2, col, col + 1, N, v0, v1, bias, use_bias, mode)
+
+
+@cuda.jit(cache=True)
+def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
+    """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
+    f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
+
+    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its GEMM_WARPS warps each take every
+    GEMM_WARPS-th 32-wide K chunk (k_gemm_wide: GEMM_MAX_WARPS; which one a matrix runs is a choice
+    of the model, never of the batch). In a chunk,
+    lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8 at k .. k+7 (k = chunk + 8t) and the same
+    eight k of weight row g of each n8 tile: the mma's k index is permuted within the chunk the same way
+    for both operands, so each mma pair sums the chunk's full dot product, with one 16-byte load per
+    operand row. x (times gamma under a norm) enters as bf16 hi + lo (two mmas, ~16 significant bits);
+    weights are exact. The norm's 1/rms scales the finished
+    sum. The warps' partials are summed in warp order. What an output element computes depends on its
+    row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
+    a row's bits are its own (checked by bench/gemm_check.py on the device).
+    Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
+    gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               GEMM_WARPS)
+
+
+@cuda.jit(cache=True)
+def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first,
+                end):
+    """k_gemm with GEMM_MAX_WARPS warps a block: each takes every GEMM_MAX_WARPS-th chunk, half as many
+    in a row, for matrices whose K is long (perf log g1). Block: GEMM_MAX_WARPS * MMA threads."""
+    gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               GEMM_MAX_WARPS)
 
 
 @cuda.jit(cache=True)
@@ -2058,6 +2074,7 @@ def signatures(storage: str) -> dict:
     f32, i32, i64, f64 = _arr(t.float32), t.int32, t.int64, _arr(t.float64)
     ai, W = _arr(t.int32), _arr(st)
     gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
+    gemm = (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
     return {
         "k_embed": (ai, W, i32, f32, i32),
         "k_gemv": gemv + (ai, ai, ai, i32, W, W, i64, i32, i32, i32, f32),
@@ -2071,7 +2088,8 @@ def signatures(storage: str) -> dict:
                          i32, f32, ai, i32),
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
-        **({"k_gemm": (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32),
+        **({"k_gemm": gemm,
+            "k_gemm_wide": gemm,
             "k_attn_mma": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32,
                            i32, f32, ai, i32)} if storage == "bfloat16" else {}),
     }
@@ -2079,4 +2097,5 @@ def signatures(storage: str) -> dict:
 
 KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
            "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
-           "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm, "k_attn_mma": k_attn_mma}
+           "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm, "k_gemm_wide": k_gemm_wide,
+           "k_attn_mma": k_attn_mma}
