@@ -14,7 +14,8 @@ instructions" (the same instructions in another order or with other register num
 "different". The perf log's "PTX unchanged" claims come from this. With --sass, `cuobjdump -sass`
 (the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine
 instructions: in all, and in the body of each loop of 60 or more (perf log m5, m6: numba's 64-bit
-index arithmetic shows up here).
+index arithmetic shows up here), and where the PDL wait and trigger landed (perf log w1: ptxas moves
+loads across the wait, and whatever it puts between the two delays the next kernel's launch).
 """
 from __future__ import annotations
 
@@ -93,7 +94,13 @@ def sass_summary(listing: str) -> str:
             size = sum(int(m.group(1), 16) <= b <= a for b, _ in ins)
             if size >= 60:
                 loops.append(str(size))
-    return f"{len(ins)} instructions; loops: {' '.join(loops) or 'none'}"
+    ops = [op for _, op in ins]
+    pdl = ""
+    if "ACQBULK" in ops and "PREEXIT" in ops:      # griddepcontrol.wait and .launch_dependents (perf log w1)
+        wait = ops.index("ACQBULK")
+        loads = sum(op.split()[0].startswith(("LDG", "@")) and "LDG" in op for op in ops[:wait])
+        pdl = f"; PDL trigger {ops.index('PREEXIT') - wait:+d} instructions after the wait, {loads} loads before it"
+    return f"{len(ins)} instructions; loops: {' '.join(loops) or 'none'}{pdl}"
 
 
 def _body(ptx: str) -> list[str]:

@@ -3,7 +3,7 @@
     python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
     python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
     python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
-    python3 bench/step_profile.py --rows 1,58 --prefix 4985 --gemm-warps 8,16
+    python3 bench/step_profile.py --rows 1,58 --prefix 4985 --option gemm_warps=4,8 --option gemv_threads=64
     python3 bench/step_profile.py --rows 58 --prefix 7999 --attention-splits 256,512 \
         --cases prefill:58@4985,prefill:16@2047
 
@@ -11,7 +11,9 @@ One sequence prefills R rows at positions P..P+R-1 after a P-token prefix alread
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R
 sequences each decode one row at position P (the all-at-once shape). For each kind of launch, a graph
 of that launch for every layer is replayed (warm L2, as in a real step) and its median CUDA-event time
-is divided by the layers; the last column is the whole forward pass. Random bf16 weights.
+is divided by the layers; the last column is the whole forward pass. Random bf16 weights. With
+--option NAME=V1,V2, every case again on a backend of its own per value of that constructor option
+(perf log g1: k_gemm's warps, the one-row GEMVs' block size).
 With --attention-regs / --attention-splits / --row-splits, only attention, compiled under each register
 cap or with each split size (k_attn_rows: each most splits a row), on random K/V, against a float64
 attention (perf log b6, a1, d2).
@@ -235,8 +237,9 @@ def main() -> None:
                    help="e.g. 0,128,255: time prompt attention under these register caps (0: the kernel's own)")
     p.add_argument("--attention-splits", default="", help="e.g. 128,512: and with these split sizes")
     p.add_argument("--row-splits", default="", help="e.g. 64: and k_attn_rows with at most these splits a row")
-    p.add_argument("--gemm-warps", default="", help="e.g. 8,16: and the prefill cases with k_gemm blocks of "
-                   "these warps (CudaBackend's gemm_warps), each on a backend of its own")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=V1,V2",
+                   help="and every case again on a backend built with CudaBackend option NAME at each value "
+                        "(e.g. gemm_warps=4,8 or gemv_threads=64); repeatable")
     p.add_argument("--cases", default="", help="attention variants' cases, e.g. prefill:58@4985,decode:1@1023 "
                    "(default: CASES; each fits --rows and --prefix)")
     args = p.parse_args()
@@ -255,17 +258,17 @@ def main() -> None:
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |")
-    for warps in [None] + [int(w) for w in args.gemm_warps.split(",") if w]:
-        if warps is not None:       # the prompt rows' GEMMs with another split of K: a backend of its own
-            be, _ = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list), gemm_warps=warps)
+    options = [None] + [(name, int(v)) for name, values in (o.split("=", 1) for o in args.option)
+                        for v in values.split(",")]
+    for option in options:
+        if option is not None:
+            be, _ = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list), **dict([option]))
             timer = Timer(be)
         for prefix in prefixes:
             for R in rows_list:
                 for case, make in (("prefill", prefill_batch), ("decode", decode_batch)):
-                    if warps is not None and case == "decode":
-                        continue            # decode rows never run k_gemm
                     t = profile(be, timer, make(R, prefix, per_seq))
-                    label = case if warps is None else f"{case}, k_gemm {warps} warps"
+                    label = case if option is None else f"{case}, {option[0]}={option[1]}"
                     print(f"| {label} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
                           + f" | {t['forward']:.0f} |", flush=True)
 

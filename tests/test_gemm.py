@@ -5,9 +5,10 @@ block), each epilogue (store + bias, residual accumulate, SwiGLU), with and with
 the relative error must be at the level of x split into bf16 hi + lo (< 3e-5; x rounded to bf16 alone
 would give ~2e-3), every output of the rows asked for written and no other row touched, and a row's
 bits the same wherever it falls in its row block; each in k_gemm (4 warps a block) and k_gemm_wide (8:
-K split twice as finely; CudaBackend's gemm_warps picks one for every matrix, any other value refused). The simulator's mma twin rounds each output
-exactly, so the fragment layout (which lane holds which row and k) is what this checks; on a GPU the
-`gpu`-marked test runs the same cases and SmolLM2's shapes on the tensor cores (bench/gemm_check.py).
+K split twice as finely; CudaBackend's gemm_warps picks one for every matrix, any other value
+refused). The simulator's mma twin rounds each output exactly, so the fragment layout (which lane
+holds which row and k) is what this checks; on a GPU the `gpu`-marked test runs the same cases and
+SmolLM2's shapes on the tensor cores (bench/gemm_check.py).
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def test_gemm_matches_float64_on_the_gpu():
 
 def _assert(result: dict) -> None:
     refused = result["refused"]
-    assert len(refused) == 2 and all("gemm_warps=" in m and "must be 4 (k_gemm) or 8 (k_gemm_wide)" in m for m in refused), refused
+    assert len(refused) == 2, refused
+    assert all("gemm_warps=" in m and "must be 4 (k_gemm) or 8 (k_gemm_wide)" in m for m in refused), refused
     assert {r["warps"] for r in result["cases"]} == {4, 8}
     assert len(result["cases"]) >= 6
     for r in result["cases"]:

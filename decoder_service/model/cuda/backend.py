@@ -24,8 +24,8 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
 
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
 gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
-in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm) and decode rows the
-GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, and for tiles
+in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm; k_gemm_wide where K is
+long) and decode rows the GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, and for tiles
 k_attn_mma on bf16 pools, k_attn_tiles otherwise): decode rows and prompt rows before position
 attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
 """
@@ -41,8 +41,8 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_MAX_WARPS, GEMM_NT, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT, MQ, QB,
-                      ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
+from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT,
+                      MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -106,6 +106,9 @@ def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile, split, m
         else:
             tiles[n_tiles - 1, 1] += 1
     return rows[:n_rows], tiles[:n_tiles]
+
+
+GEMM_KERNELS = {GEMM_WARPS: "k_gemm", GEMM_MAX_WARPS: "k_gemm_wide"}   # the prompt GEMM by warps a block
 
 
 class RowPlan(NamedTuple):
@@ -200,9 +203,9 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = weights.dtype == "bfloat16"
-        if gemm_warps not in (None, GEMM_WARPS, GEMM_MAX_WARPS):
-            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be {GEMM_WARPS} (k_gemm) or "
-                             f"{GEMM_MAX_WARPS} (k_gemm_wide)")
+        if gemm_warps is not None and gemm_warps not in GEMM_KERNELS:
+            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be "
+                             + " or ".join(f"{w} ({name})" for w, name in GEMM_KERNELS.items()))
         self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
         self._check_memory(weights)
@@ -292,8 +295,9 @@ class CudaBackend:
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
         # (only those this model launches: the prompt tiles' kernel is k_attn_mma or k_attn_tiles)
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"] + (["k_gemm", "k_gemm_wide"] if self.gemm
-                                                                                      else [])
+                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"]
+        if self.gemm:
+            names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
@@ -353,7 +357,7 @@ class CudaBackend:
     def _gemm_warps(self, kp: int) -> int:
         """k_gemm's warps a block for a matrix kp columns wide (fixed per model: a row's bits): k_gemm_wide's
         where K is long enough that each of k_gemm's warps would chain more than 8 chunks (SmolLM2's down
-        projection: 12 chunks a warp, 10.5 against 7.8 µs a layer at 58 rows; perf log g1), else k_gemm's."""
+        projection: 12 chunks a warp, 10.3 against 7.2 µs a layer at 58 rows; perf log g1), else k_gemm's."""
         if self.gemm_warps is not None:
             return self.gemm_warps
         return GEMM_MAX_WARPS if kp > 8 * GEMM_WARPS * 32 else GEMM_WARPS
@@ -401,7 +405,7 @@ class CudaBackend:
             args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
                     out, out_stride, mode, *self.gemm_rows]
             warps = self._gemm_warps(kp)
-            kernel = self.kernels["k_gemm" if warps == GEMM_WARPS else "k_gemm_wide"]
+            kernel = self.kernels[GEMM_KERNELS[warps]]
             launches[key + "/gemm"] = (Launch(kernel, warps * MMA, 0, args, self.stream.handle, name + "/gemm"),
                                        -(-N // GEMM_COLS))
         return launches

@@ -42,14 +42,14 @@ ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) 
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
 ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
-# Prompt rows of bf16 models (k_gemm): mma.sync m16n8k16 on the tensor cores, a block of warps per
-# (GEMM_ROWS rows x GEMM_COLS columns), each warp every (warps)-th 32-wide K chunk.
+# Prompt rows of bf16 models (k_gemm, k_gemm_wide): mma.sync m16n8k16 on the tensor cores, a block of warps
+# per (GEMM_ROWS rows x GEMM_COLS columns), each warp every (warps)-th 32-wide K chunk.
 MMA = 32                      # lanes of an mma warp (the simulator's too: the fragments are 32-lane)
 GEMM_ROWS = 16                # k_gemm: input rows per block (the mma's M)
 GEMM_NT = 4                   # k_gemm: n8 tiles per block (its first GEMM_NT warps finish one each)
 GEMM_COLS = 8 * GEMM_NT       # k_gemm: output columns per block
-GEMM_WARPS = 4                # k_gemm: default warps per block (split K; at least GEMM_NT)
-GEMM_MAX_WARPS = 8            # k_gemm: most warps per block (its static shared memory)
+GEMM_WARPS = 4                # k_gemm: warps per block (split K; at least GEMM_NT)
+GEMM_MAX_WARPS = 8            # k_gemm_wide: warps per block (the shared arrays are sized for it)
 GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
 GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
@@ -1210,13 +1210,12 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
 
     Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its GEMM_WARPS warps each take every
-    GEMM_WARPS-th 32-wide K chunk (k_gemm_wide: GEMM_MAX_WARPS; which one a matrix runs is a choice
-    of the model, never of the batch). In a chunk,
-    lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8 at k .. k+7 (k = chunk + 8t) and the same
-    eight k of weight row g of each n8 tile: the mma's k index is permuted within the chunk the same way
-    for both operands, so each mma pair sums the chunk's full dot product, with one 16-byte load per
-    operand row. x (times gamma under a norm) enters as bf16 hi + lo (two mmas, ~16 significant bits);
-    weights are exact. The norm's 1/rms scales the finished
+    GEMM_WARPS-th 32-wide K chunk (k_gemm_wide: GEMM_MAX_WARPS; which one a matrix runs is a choice of
+    the model, never of the batch). In a chunk, lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8
+    at k .. k+7 (k = chunk + 8t) and the same eight k of weight row g of each n8 tile: the mma's k
+    index is permuted within the chunk the same way for both operands, so each mma pair sums the chunk's
+    full dot product, with one 16-byte load per operand row. x (times gamma under a norm) enters as bf16
+    hi + lo (two mmas, ~16 significant bits); weights are exact. The norm's 1/rms scales the finished
     sum. The warps' partials are summed in warp order. What an output element computes depends on its
     row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
     a row's bits are its own (checked by bench/gemm_check.py on the device).
