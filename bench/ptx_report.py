@@ -98,7 +98,7 @@ def sass_summary(listing: str) -> str:
     pdl = ""
     if "ACQBULK" in ops and "PREEXIT" in ops:      # griddepcontrol.wait and .launch_dependents (perf log w1)
         wait = ops.index("ACQBULK")
-        loads = sum(op.split()[0].startswith(("LDG", "@")) and "LDG" in op for op in ops[:wait])
+        loads = sum(any(w.startswith("LDG") for w in op.split()[:2]) for op in ops[:wait])   # [@P] LDG...
         pdl = f"; PDL trigger {ops.index('PREEXIT') - wait:+d} instructions after the wait, {loads} loads before it"
     return f"{len(ins)} instructions; loops: {' '.join(loops) or 'none'}{pdl}"
 
