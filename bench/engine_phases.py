@@ -111,7 +111,7 @@ def main() -> None:
             rows[kind]["step"].append(total)
             rows[kind]["host"].append(total - clock.step["wait"])
     print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
-          f"({what} weights), {engine.steps_ahead} steps launched ahead, "
+          f"({what} weights), {engine.steps_ahead} steps launched ahead ({engine.steps_dropped} dropped unread), "
           f"{engine.tokens_forced} tokens taken without a step: µs a step, mean (forward is its "
           f"host call; phases nest as PHASES says); prompt rows a query: mean {statistics.fmean(prompt_rows):.1f}, "
           f"median {statistics.median(prompt_rows):g}")

@@ -30,6 +30,8 @@ RUNNING = Gauge("tooltrie_decoder_running_batch", "Sequences in the running batc
 KV_USED = Gauge("tooltrie_decoder_kv_blocks_used", "KV pool blocks in use")
 STEPS_AHEAD = Gauge("tooltrie_decoder_steps_ahead", "Steps launched before the previous step's picks were read, "
                     "since start")
+STEPS_DROPPED = Gauge("tooltrie_decoder_steps_dropped", "Steps launched ahead of rows that all ended at the "
+                      "read before, dropped unread, since start")
 TOKENS_FORCED = Gauge("tooltrie_decoder_tokens_forced", "Answer tokens taken without a step (the last name's "
                       "forced tokens to the stop), since start")
 FIRST_POINTER = Histogram("tooltrie_time_to_first_pointer_seconds", "From request to its first tool name")
@@ -133,6 +135,7 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         RUNNING.set(len(engine.scheduler.running))
         KV_USED.set(engine.blocks.num_blocks - engine.blocks.num_free)
         STEPS_AHEAD.set(engine.steps_ahead)
+        STEPS_DROPPED.set(engine.steps_dropped)
         TOKENS_FORCED.set(engine.tokens_forced)
 
 

@@ -119,7 +119,8 @@ def test_health_serves_only_once_a_catalog_is_warm(stack):
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).read().decode()
     for name in ("tooltrie_decoder_queue_depth", 'tooltrie_discover_total{code="OK"}', "tooltrie_decoder_running_batch",
                  "tooltrie_time_to_first_pointer_seconds_count", "tooltrie_decode_step_seconds_count",
-                 "tooltrie_decoder_kv_blocks_used", "tooltrie_decoder_steps_ahead", "tooltrie_decoder_tokens_forced",
+                 "tooltrie_decoder_kv_blocks_used", "tooltrie_decoder_steps_ahead", "tooltrie_decoder_steps_dropped",
+                 "tooltrie_decoder_tokens_forced",
                  "tooltrie_catalog_versions_loaded", "tooltrie_catalog_swaps_total"):
         assert name in metrics, name
 

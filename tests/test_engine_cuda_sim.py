@@ -11,7 +11,8 @@ rounding, for two catalog versions alternating in one batch stream (one resident
 one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
 them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
-time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off. A stale
+time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off, and a
+step launched ahead of an answer that completes at the read is dropped without being read. A stale
 constant-memory binding fails the requests loudly (INTERNAL), never with a plausible answer.
 """
 from __future__ import annotations
@@ -33,6 +34,8 @@ def check(result: dict) -> None:
     assert result["requests"] >= 8 and result["differences"] == [], result["differences"][:3]
     host, batched, alone, off = result["steps_ahead"]  # the host sampler's picks cannot feed a step ahead
     assert host == 0 and batched > 0 and alone > 0 and off == 0, result["steps_ahead"]
+    # one at a time, a step launched ahead of an answer that completes at the read is dropped unread
+    assert result["steps_dropped"][2] > 0 and result["steps_dropped"][3] == 0, result["steps_dropped"]
     assert all(result["tokens_forced"][:3]) and result["tokens_forced"][3] == 0, result["tokens_forced"]
     assert result["levers_are_exact"]  # same names, same log-probabilities to the bit, with both settings off
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
@@ -147,6 +150,7 @@ def main() -> None:
                 engine.run_until_idle()
         engine.run_until_idle()
         ahead.append(engine.steps_ahead)
+        dropped.append(engine.steps_dropped)
         forced.append(engine.tokens_forced)
         out = []
         for seq in seqs:
@@ -155,7 +159,8 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
-    ahead, forced = [], []  # steps launched ahead and tokens taken without a step, by serve() call
+    ahead, dropped, forced = [], [], []  # steps launched ahead (dropped unread) and tokens taken without a step,
+    # by serve() call
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
@@ -170,7 +175,7 @@ def main() -> None:
     print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
-                                  "steps_ahead": ahead[:4],
+                                  "steps_ahead": ahead[:4], "steps_dropped": dropped[:4],
                                   "tokens_forced": forced[:4], "levers_are_exact": alone == in_turn}))
 
 

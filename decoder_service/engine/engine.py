@@ -17,7 +17,8 @@ Stepping ahead: with the device sampler, the picked tokens and the rows' trie st
 before the host reads them, so where the next step can only be the same rows one token further, the
 engine enqueues it first, its tokens copied on the device, and reads this step's picks while it runs:
 the host's share of a step (planning, staging, reading, advancing) overlaps the device's. Its rows
-compute exactly what the step planned after the read would, so no answer depends on it.
+compute exactly what the step planned after the read would, so no answer depends on it. A step
+launched ahead of rows that all end at the read is never read: the next request's host work overlaps it.
 
 Forced tails: on an answer's last pointer, once one name is left below the row's node, each of its
 remaining tokens (and the stop) is the sampler's only candidate, chosen with log-probability 0 whatever
@@ -112,6 +113,7 @@ class DecodeEngine:
         self.sampler = make_sampler(backend, config.head)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
+        self.steps_dropped = 0                # of those, how many were dropped unread (every row had ended)
         self.tokens_forced = 0                # answer tokens taken without a step (finish_forced)
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
@@ -222,7 +224,10 @@ class DecodeEngine:
     def step(self) -> bool:
         """One scheduling step: launch the planned rows (or take the step already launched ahead),
         launch the next step of the same rows ahead where nothing else waits for the device, then
-        read this step's picks and advance. Returns False when there was nothing to do."""
+        read this step's picks and advance. A step launched ahead of rows that have all ended since is
+        dropped unread: the host plans and enqueues the next request while the device still runs it
+        (stream order puts it first; the staging ring waits for its copies). Returns False when there
+        was nothing to do."""
         with self._wake:
             self._drain_inbox()
         now = time.monotonic()
@@ -230,6 +235,9 @@ class DecodeEngine:
         for seq in self.scheduler.admit(now):
             self._copy_prefix_tail(seq)
         launched, self._ahead = self._ahead, None
+        if launched is not None and all(seq.state == State.FINISHED for seq in launched.sampling):
+            launched = None      # its rows all ended at the read before: its picks are never needed
+            self.steps_dropped += 1
         if launched is None:
             chunks = self.scheduler.plan()
             if not chunks:
