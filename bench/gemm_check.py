@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from decoder_service.model.cuda import kernels as K  # noqa: E402
-from decoder_service.model.cuda.backend import GEMM_KERNELS  # noqa: E402
 from decoder_service.model.weights import bf16_to_f32  # noqa: E402
 
 EPS = 1e-5
@@ -77,7 +76,7 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     def run(lo):
         out = cuda.to_device(init.reshape(-1))
         grid = (-(-N // K.GEMM_COLS), -(-(end - lo) // K.GEMM_ROWS))
-        K.KERNELS[GEMM_KERNELS[warps]][grid, warps * K.MMA](
+        K.KERNELS[K.GEMM_KERNELS[warps]][grid, warps * K.MMA](
             d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp), i32(K_), i32(N), d_b, i32(use_bias),
             out, i32(width), i32(mode), i32(lo), i32(end))
         return out.copy_to_host().reshape(rows, width)
@@ -103,7 +102,7 @@ SMOLLM2 = [(576, 960, 71, 0, 1, 1), (576, 576, 71, 1, 0, 0), (576, 3072, 71, 2, 
            (576, 960, 1, 0, 1, 0), (576, 3072, 300, 2, 1, 0)]
 RAGGED = [(72, 40, 21, 0, 1, 1), (72, 40, 21, 1, 0, 0), (40, 48, 17, 2, 1, 0)]   # K, N not multiples of 32
 TOLERANCE = 3e-5
-WARPS = tuple(GEMM_KERNELS)     # k_gemm's and k_gemm_wide's warps a block (CudaBackend's gemm_warps)
+WARPS = tuple(K.GEMM_KERNELS)     # k_gemm's and k_gemm_wide's warps a block (CudaBackend's gemm_warps)
 
 
 def timing(rows: list[int]) -> list[tuple]:

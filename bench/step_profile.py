@@ -258,18 +258,17 @@ def main() -> None:
     print(f"{args.shape}: µs per layer by kernel kind; forward = whole pass (µs)")
     print("| case | prefix | rows | " + " | ".join(KINDS) + " | forward |")
     print("| --- | --- | --- | " + " | ".join("---" for _ in KINDS) + " | --- |")
-    options = [None] + [(name, int(v)) for name, values in (o.split("=", 1) for o in args.option)
-                        for v in values.split(",")]
-    for option in options:
-        if option is not None:
-            be, _ = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list), **dict([option]))
+    variants = [("", {})] + [(f", {name}={v}", {name: int(v)})
+                             for name, values in (o.split("=", 1) for o in args.option) for v in values.split(",")]
+    for suffix, option in variants:
+        if option:      # a backend of its own, built with that constructor option
+            be, _ = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list), **option)
             timer = Timer(be)
         for prefix in prefixes:
             for R in rows_list:
                 for case, make in (("prefill", prefill_batch), ("decode", decode_batch)):
                     t = profile(be, timer, make(R, prefix, per_seq))
-                    label = case if option is None else f"{case}, {option[0]}={option[1]}"
-                    print(f"| {label} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
+                    print(f"| {case}{suffix} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
                           + f" | {t['forward']:.0f} |", flush=True)
 
 

@@ -25,8 +25,8 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
 Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
 gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
 in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm; k_gemm_wide where K is
-long) and decode rows the GEMVs, so a step with both has two launches per matrix; attention likewise (k_attn_rows, and for tiles
-k_attn_mma on bf16 pools, k_attn_tiles otherwise): decode rows and prompt rows before position
+long) and decode rows the GEMVs, so a step with both has two launches per matrix; attention likewise
+(k_attn_rows, and for tiles k_attn_mma on bf16 pools, k_attn_tiles otherwise): decode rows and prompt rows before position
 attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
 """
 from __future__ import annotations
@@ -41,8 +41,9 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA, MMA_HD, MMA_SPLIT,
-                      MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats, attn_shared_floats)
+from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_KERNELS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA,
+                      MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats,
+                      attn_shared_floats)
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
@@ -106,9 +107,6 @@ def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile, split, m
         else:
             tiles[n_tiles - 1, 1] += 1
     return rows[:n_rows], tiles[:n_tiles]
-
-
-GEMM_KERNELS = {GEMM_WARPS: "k_gemm", GEMM_MAX_WARPS: "k_gemm_wide"}   # the prompt GEMM by warps a block
 
 
 class RowPlan(NamedTuple):
@@ -296,7 +294,7 @@ class CudaBackend:
         # (only those this model launches: the prompt tiles' kernel is k_attn_mma or k_attn_tiles)
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"]
-        if self.gemm:
+        if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         # the prompt tiles' attention: kernel, block, dynamic shared memory

@@ -2098,3 +2098,4 @@ KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_
            "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm, "k_gemm_wide": k_gemm_wide,
            "k_attn_mma": k_attn_mma}
+GEMM_KERNELS = {GEMM_WARPS: "k_gemm", GEMM_MAX_WARPS: "k_gemm_wide"}   # the prompt GEMM by its warps a block
