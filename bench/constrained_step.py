@@ -65,13 +65,13 @@ def cuda_sides(be, trie, rows):
     cm = be.max_candidates
     node, emitted, n_emitted, status = i32(np.zeros(rows)), i32(np.full(rows * 4, -1)), i32(np.zeros(rows)), \
         i32(np.zeros(rows))
-    child, lo, edge = (i32(np.zeros(rows * cm)) for _ in range(3))
+    child, lo, edge, ends = (i32(np.zeros(rows * cm)) for _ in range(4))
     mask = Launch(kernels.mask, cs.THREADS, 0,
                   [i32(packed), i32(np.zeros(rows)), i32(np.ones(rows)), node, emitted, 4, n_emitted,
-                   i32(np.full(rows, 3)), i32(np.zeros(1)), i32(np.zeros(rows)), i32(np.full(rows, -1)), be.cand,
-                   child, lo, edge, be.ncand, cm, status], be.stream.handle)
+                   i32(np.full(rows, 3)), i32(np.zeros(1)), i32(np.zeros(rows)), i32(np.full(rows, -1)), 1,
+                   be.cand, child, lo, edge, ends, be.ncand, cm, status], be.stream.handle)
     select = Launch(kernels.select, cs.THREADS, 0,
-                    [be.sparse, cm, be.cand, child, lo, edge, be.ncand, cm, status, node, emitted, 4, n_emitted,
+                    [be.sparse, cm, be.cand, child, lo, edge, ends, be.ncand, cm, status, node, emitted, 4, n_emitted,
                      i32(np.zeros(rows)), i32(np.zeros(rows)), i32(np.zeros(rows)), cuda.to_device(np.zeros(rows))],
                     be.stream.handle)
 

@@ -30,14 +30,14 @@ def time_kernels(trie, packed, use_const, n_rows, stream, reps=200):
     cmax = trie.max_fanout()
     i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
     node, emitted, n_emitted = i32(np.zeros(n_rows)), i32(np.full(n_rows * 4, -1)), i32(np.zeros(n_rows))
-    cand = [i32(np.zeros(n_rows * cmax)) for _ in range(4)]
+    cand = [i32(np.zeros(n_rows * cmax)) for _ in range(5)]   # token, child, lo, edge, ends
     ncand, status = i32(np.zeros(n_rows)), i32(np.zeros(n_rows))
     logits = cuda.to_device(np.random.default_rng(0).standard_normal(n_rows * cmax).astype(np.float32))
     kernels = cs.SamplerKernels.get()
     mask = Launch(kernels.mask, cs.THREADS, 0,
                   [i32(packed), i32(np.zeros(n_rows)), i32(np.full(n_rows, use_const)), node, emitted, 4, n_emitted,
                    i32(np.full(n_rows, 3)), i32(np.zeros(1)), i32(np.zeros(n_rows)), i32(np.full(n_rows, -1)),
-                   *cand, ncand, cmax, status], stream.handle)
+                   1, *cand, ncand, cmax, status], stream.handle)
     select = Launch(kernels.select, cs.THREADS, 0,
                     [logits, cmax, *cand, ncand, cmax, status, node, emitted, 4, n_emitted, i32(np.zeros(n_rows)),
                      i32(np.zeros(n_rows)), i32(np.zeros(n_rows)), cuda.to_device(np.zeros(n_rows))], stream.handle)

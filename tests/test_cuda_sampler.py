@@ -3,7 +3,9 @@
 Rows of two catalogs share one batch: MetaTool's trie is resident in constant memory, Seal-Tools' and
 ToolBench's are read from the global arena, so both paths run side by side. For random reachable
 states (node, emitted pointers, k, allowlist) the kernels must give exactly the host's candidates in
-the same order, the same winner, the same advance, and the log-probability to float64 rounding. A
+the same order, the same winner, the same advance, the log-probability to float64 rounding, and the done
+flag the engine would read there (the stop, or a last name left alone below the pick: the engine's
+CatalogRuntime.last_pointer_edge, computed its own way, says which). A
 stale binding (constant memory holding another catalog) must change the answer, which is what the
 engine's host walk then catches.
 
@@ -29,6 +31,7 @@ def run_checks(sim: bool) -> dict:
 def test_kernels_match_the_host_sampler_under_the_simulator():
     result = run_checks(sim=True)
     assert result["rows"] >= 24 and result["mismatches"] == [], result["mismatches"][:5]
+    assert 0 < result["done_rows"] < result["rows"], result   # rows whose pick ends the answer, and others
     assert result["stale_binding_changed_answers"] > 0
 
 
@@ -70,7 +73,8 @@ def main() -> None:
 
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
-    from decoder_service.engine.sampler import legal_edges, select
+    from decoder_service.engine.catalog_runtime import CatalogRuntime
+    from decoder_service.engine.sampler import SEP, STOP, legal_edges, select
     from decoder_service.model.cuda import sim_accel
     from decoder_service.model.cuda.launcher import Launch, Stream
     from shared.catalog import parse_registry
@@ -122,7 +126,7 @@ def main() -> None:
             "n_emitted": np.asarray([r[5] for r in rows], np.int32), "k": np.asarray([r[1] for r in rows], np.int32),
         }
         dev = {key: cuda.to_device(v) for key, v in d.items()}
-        cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32)) for key in ("token", "child", "lo", "edge")}
+        cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32)) for key in ("token", "child", "lo", "edge", "ends")}
         ncand, status = cuda.to_device(np.zeros(N, np.int32)), cuda.to_device(np.zeros(N, np.int32))
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
         done = cuda.to_device(np.zeros(N, np.int32))
@@ -132,19 +136,21 @@ def main() -> None:
                 cuda.to_device(allow_len), cuda.to_device(logits.ravel())]  # alive until the launches ran
         Launch(kernels.mask, cs.THREADS, 0, [keep[0], dev["row_base"], dev["row_const"], dev["node"],
                                              dev["emitted"], kmax, dev["n_emitted"], dev["k"], keep[1], keep[2],
-                                             keep[3], cand["token"], cand["child"], cand["lo"], cand["edge"],
-                                             ncand, cmax, status], stream.handle).launch(N)
+                                             keep[3], 1, cand["token"], cand["child"], cand["lo"], cand["edge"],
+                                             cand["ends"], ncand, cmax, status], stream.handle).launch(N)
         Launch(kernels.select, cs.THREADS, 0, [keep[4], cmax, cand["token"], cand["child"], cand["lo"],
-                                               cand["edge"], ncand, cmax, status, dev["node"], dev["emitted"],
+                                               cand["edge"], cand["ends"], ncand, cmax, status, dev["node"],
+                                               dev["emitted"],
                                                kmax, dev["n_emitted"], done, out["token"], out["edge"],
                                                out["logprob"]], stream.handle).launch(N)
         stream.synchronize()
         return (ncand.copy_to_host(), cand["edge"].copy_to_host().reshape(N, cmax), status.copy_to_host(),
-                logits, {key: v.copy_to_host() for key, v in out.items()})
+                logits, {key: v.copy_to_host() for key, v in {**out, "done": done}.items()})
 
     cs.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
     nc, edges, status, logits, out = launch()
-    mismatches = []
+    mismatches, done_rows = [], 0
+    forced = {name: CatalogRuntime.from_trie(t, tok, 16).last_pointer_edge for name, t in tries.items()}
     for i, (name, k, allow, node, em, n) in enumerate(rows):
         t = tries[name]
         buf = np.empty(4096, np.int32)
@@ -156,6 +162,11 @@ def main() -> None:
         win, lp = select(logits[i, :c], t.edge_token[buf[:c]])
         if out["edge"][i] != buf[win] or abs(out["logprob"][i] - lp) > 1e-9 * max(1.0, abs(lp)):
             mismatches.append(f"row {i} ({name}): winner {out['edge'][i]} lp {out['logprob'][i]} vs {buf[win]} {lp}")
+        child = t.edge_child[buf[win]]
+        ends = child == STOP or (child != SEP and n + 1 == k and forced[name][child] >= 0)
+        done_rows += int(ends)
+        if out["done"][i] != ends:
+            mismatches.append(f"row {i} ({name}): done {out['done'][i]}, the engine's rule says {int(ends)}")
     # a stale binding: constant memory now holds another version (half the tools) while rows still
     # read it as this MetaTool version
     from shared.catalog import catalog_from_entries
@@ -164,7 +175,8 @@ def main() -> None:
     nc2, edges2, _, _, _ = launch()
     changed = sum(1 for i, r in enumerate(rows) if r[0] == "metatool" and
                   (nc2[i] != nc[i] or list(edges2[i, :nc2[i]]) != list(edges[i, :nc[i]])))
-    print("RESULT " + json.dumps({"rows": N, "mismatches": mismatches, "stale_binding_changed_answers": changed}))
+    print("RESULT " + json.dumps({"rows": N, "mismatches": mismatches, "done_rows": done_rows,
+                                  "stale_binding_changed_answers": changed}))
 
 
 if __name__ == "__main__":

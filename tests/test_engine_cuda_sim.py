@@ -12,7 +12,8 @@ one read from the global arena), served together and one at a time. Either way t
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
 them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
 time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off, and a
-step launched ahead of an answer that completes at the read is dropped without being read. A stale
+step launched ahead of an answer that completes at the read is dropped without being read, its forward
+pass skipped on the device by the sampler's done flags (exactly those steps: counted under the simulator). A stale
 constant-memory binding fails the requests loudly (INTERNAL), never with a plausible answer.
 """
 from __future__ import annotations
@@ -36,6 +37,9 @@ def check(result: dict) -> None:
     assert host == 0 and batched > 0 and alone > 0 and off == 0, result["steps_ahead"]
     # one at a time, a step launched ahead of an answer that completes at the read is dropped unread
     assert result["steps_dropped"][2] > 0 and result["steps_dropped"][3] == 0, result["steps_dropped"]
+    # the device's done flags skip the forward pass of exactly the steps the host drops (the simulator's
+    # stand-in backend counts them; on the GPU a wrong skip shows as answers that differ)
+    assert result["forwards_skipped"] in (None, result["steps_dropped"]), result
     assert all(result["tokens_forced"][:3]) and result["tokens_forced"][3] == 0, result["tokens_forced"]
     assert result["levers_are_exact"]  # same names, same log-probabilities to the bit, with both settings off
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
@@ -65,12 +69,16 @@ class CpuModelDeviceHead:
 
         from decoder_service.model.cuda.launcher import Stream
         self.cpu, self.cfg, self.stream = cpu, cpu.cfg, Stream()
+        self.skipped = 0   # forward passes a step's done flags skipped
         self.max_logit_rows, self.max_candidates = max_logit_rows, max_candidates
         self.cand = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "int32"))
         self.ncand = cuda.to_device(__import__("numpy").zeros(max_logit_rows, "int32"))
         self.sparse = cuda.to_device(__import__("numpy").zeros(max_logit_rows * max_candidates, "float32"))
 
-    def forward(self, batch, device_tokens=None):
+    def forward(self, batch, device_tokens=None, skip_if_done=None):
+        if skip_if_done is not None and skip_if_done.copy_to_host()[:batch.num_rows].all():
+            self.skipped += 1   # the CUDA backend's gated graph: no forward pass, K/V and hidden untouched
+            return
         if device_tokens is not None:  # the CUDA backend copies them in stream order; here, now
             batch = dataclasses.replace(batch, tokens=device_tokens.copy_to_host()[:batch.num_rows].copy())
         self.cpu.forward(batch)
@@ -133,6 +141,7 @@ def main() -> None:
     requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]
 
     def serve(sampler, stale=False, one_at_a_time=False, **config):
+        skipped_before = getattr(backend, "skipped", 0)
         engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                               EngineConfig(**config))
         engine.sampler = sampler
@@ -151,6 +160,7 @@ def main() -> None:
         engine.run_until_idle()
         ahead.append(engine.steps_ahead)
         dropped.append(engine.steps_dropped)
+        skipped.append(getattr(backend, "skipped", 0) - skipped_before)
         forced.append(engine.tokens_forced)
         out = []
         for seq in seqs:
@@ -159,14 +169,14 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
-    ahead, dropped, forced = [], [], []  # steps launched ahead (dropped unread) and tokens taken without a step,
+    ahead, dropped, skipped, forced = [], [], [], []  # steps launched ahead (dropped unread) and tokens taken without a step,
     # by serve() call
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
     alone = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True)
-    in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True, step_ahead=False,
-                    finish_forced=False)
+    in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend), finish_forced=False), one_at_a_time=True,
+                    step_ahead=False, finish_forced=False)
     differences = [f"{e} vs {g}" for e, g in [*zip(expected, got), *zip(expected, alone)]
                    if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
                    or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]
@@ -176,6 +186,7 @@ def main() -> None:
                                   "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
                                   "steps_ahead": ahead[:4], "steps_dropped": dropped[:4],
+                                  "forwards_skipped": skipped[:4] if simulated else None,
                                   "tokens_forced": forced[:4], "levers_are_exact": alone == in_turn}))
 
 

@@ -10,7 +10,8 @@ Checks (per case): logits of prefill, decode and mixed ragged batches over non-c
 match the reference (fp32 weights: relative error < 1e-4; bf16/fp16: < 2e-2 and the same argmax); the
 sparse head equals the dense head's logits for the same candidates bit for bit; a row's logits are
 bit-identical alone (a decode step alone replays a captured graph, and without a q/k norm runs RoPE in
-the one-row QKV GEMV) and inside a mixed batch (launched one kernel at a time; RoPE in k_rope_kv), and
+the one-row QKV GEMV; gated on done flags, its forward is skipped where all are set and gives the same
+bits where one is clear) and inside a mixed batch (launched one kernel at a time; RoPE in k_rope_kv), and
 a prompt's last row is bit-identical whether the prompt is prefilled in one chunk or in two (other
 attention row tiles), and after a prefix's tail copied into another block (copy_kv) or in place; the
 KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for
@@ -70,6 +71,8 @@ def _assert_case(res: dict, name: str) -> None:
     # without a q/k norm the lone decode row ran RoPE in k_gemv's epilogue, the mixed batch k_rope_kv
     assert r["fused_rope"] == (not name.startswith("qwen3")), r
     assert r["graphs"] == 1, f"decode-only steps: {r['graphs']} graphs held, max_graphs=1"
+    assert r["gate_skips"], "a decode step gated on done flags that were all set ran its forward pass"
+    assert r["gate_runs"], "a decode step gated on done flags with one clear gave other bits than ungated"
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
     assert r["tail_copy"], "prompt rows after a copied prefix tail (copy_kv) differ from the prefix in place"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
@@ -161,6 +164,18 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
     deterministic = bool(np.array_equal(be.dense_logits()[0], lg_mixed[0]))
     graphs = be.num_graphs   # that step replayed a graph; the one of "mixed decodes" was dropped
+    # the same step gated on done flags (the engine's step ahead): every flag set, its forward does not
+    # run (the hidden state is still the chunked prompt's below); one clear, it runs, to the same bits
+    from numba import cuda
+    done = cuda.to_device(np.ones(2, np.int32))
+    alone = StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1)
+    be.forward(StepBatch.from_chunks([(1, other[:3], 0)], bt))
+    before = be.dense_logits()[0]
+    be.forward(alone, skip_if_done=done)
+    gate_skips = bool(np.array_equal(be.dense_logits()[0], before))
+    done.copy_to_device(np.array([0, 1], np.int32))
+    be.forward(alone, skip_if_done=done)
+    gate_runs = bool(np.array_equal(be.dense_logits()[0], lg_mixed[0]))
     # candidate lists longer than max_candidates are tiled; an id outside the vocabulary gives NaN
     cand = rng.integers(0, cfg.vocab_size, (1, 19)).astype(np.int32)
     cand[0, 17] = cfg.vocab_size + 5
@@ -196,6 +211,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         compare("prefill 20", StepBatch.from_chunks([(0, long[:20], 0)], long_bt))
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
     return dict(checks=checks, deterministic=deterministic, fused_rope=be.fused_rope, graphs=graphs,
+                gate_skips=gate_skips, gate_runs=gate_runs,
                 chunk_invariant=chunk_invariant, tail_copy=tail_copy,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)

@@ -5,7 +5,11 @@
            in edge order and writes them as the row's candidates;
   (the model's sparse head computes the candidates' logits)
   k_select takes the argmax over the candidates' logits (fixed reduction tree, lower token id on a
-           tie), the log-softmax over them, and advances the row: node, emitted pointers, done.
+           tie), the log-softmax over them, and advances the row: node, emitted pointers, and `done`,
+           whether the pick ended the row's answer as the engine will see it (the stop, a last name
+           that is the only one left below its node where the engine finishes those, or no
+           candidate): a step launched ahead of the row runs only while some row's is 0
+           (backend.forward's skip_if_done).
 
 A packed trie is one int32 array: [nodes + 1, edges, node_edge_start..., edge_token..., edge_child...,
 edge_lo..., edge_hi...]. Constant memory holds one packed trie (64 KiB); `ConstantTrie.bind` rewrites
@@ -40,11 +44,11 @@ CONST_TRIE = np.arange(CONST_WORDS, dtype=np.int32)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
 _I, _S = numba.int32[::1], numba.int32
 # k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
-#        cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status)
-MASK_SIGNATURE = (_I,) * 5 + (_S,) + (_I,) * 10 + (_S, _I)
-# k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status, node,
-#          emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob)
-SELECT_SIGNATURE = (numba.float32[::1], _S) + (_I,) * 5 + (_S,) + (_I,) * 3 + (_S,) + (_I,) * 4 + (numba.float64[::1],)
+#        forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status)
+MASK_SIGNATURE = (_I,) * 5 + (_S,) + (_I,) * 5 + (_S,) + (_I,) * 6 + (_S, _I)
+# k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status,
+#          node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob)
+SELECT_SIGNATURE = (numba.float32[::1], _S) + (_I,) * 6 + (_S,) + (_I,) * 3 + (_S,) + (_I,) * 4 + (numba.float64[::1],)
 
 
 def pack_trie(trie: Trie) -> np.ndarray:
@@ -102,8 +106,10 @@ def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, e0, 
 
 @cuda.jit(cache=not SIM)
 def k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
-           cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status):
-    """One block per row: the row's legal edges, in edge order, as its candidates."""
+           forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status):
+    """One block per row: the row's legal edges, in edge order, as its candidates, each with whether
+    taking it ends the answer: the stop, or (forced: the engine's finish_forced) on the last pointer, an
+    edge with one pointer below (engine._take_forced completes the answer from there)."""
     cmem = cuda.const.array_like(CONST_TRIE)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -139,10 +145,14 @@ def k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, all
         if _legal(cmem, arena, use_const, base, e, tok_off, ne, kk, emitted, em0, allow, a0, alen):
             if out < cmax:
                 j = r * cmax + out
+                child = _rd(cmem, arena, use_const, base, tok_off + E + e)
+                lo = _rd(cmem, arena, use_const, base, tok_off + 2 * E + e)
+                hi = _rd(cmem, arena, use_const, base, tok_off + 3 * E + e)
                 cand_token[j] = _rd(cmem, arena, use_const, base, tok_off + e)
-                cand_child[j] = _rd(cmem, arena, use_const, base, tok_off + E + e)
-                cand_lo[j] = _rd(cmem, arena, use_const, base, tok_off + 2 * E + e)
+                cand_child[j] = child
+                cand_lo[j] = lo
                 cand_edge[j] = e
+                cand_ends[j] = child == STOP or (forced != 0 and child != SEP and ne + 1 == kk and hi - lo == 1)
             out += 1
 
 
@@ -153,8 +163,8 @@ def _better(v, t, bv, bt):
 
 
 @cuda.jit(cache=not SIM)
-def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, ncand, cmax, status, node,
-             emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob):
+def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status,
+             node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob):
     """One block per row: masked argmax, log-softmax over the candidates, and the trie advance."""
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -202,18 +212,18 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, n
             # id (0), since a step launched ahead embeds it before the host reads the status
             out_token[r] = 0
             out_edge[r] = -1
+            done[r] = 1      # the engine fails the row
             return
         j = r * cmax + w
         child = cand_child[j]
         out_token[r] = cand_token[j]
         out_edge[r] = cand_edge[j]
         out_logprob[r] = numba.float64(bv[0]) - (sm[0] + math.log(ss[0]))
+        done[r] = cand_ends[j]
         if child == SEP or child == STOP:
             emitted[r * kstride + n_emitted[r]] = cand_lo[j]
             n_emitted[r] += 1
             node[r] = 0
-            if child == STOP:
-                done[r] = 1
         else:
             node[r] = child
 
@@ -276,7 +286,9 @@ class DeviceSampler:
 
     FIELDS = ("base", "const", "node", "n_emitted", "k", "allow_start", "allow_len")  # int32 per row
 
-    def __init__(self, backend, fallback, max_k: int = 64, max_allow: int = 1 << 16):
+    def __init__(self, backend, fallback, max_k: int = 64, max_allow: int = 1 << 16, finish_forced: bool = True):
+        """finish_forced: the engine's setting of that name (whether a last name left alone below its node
+        ends the answer at the pick that enters it), so that the done flags say what the engine will."""
         self.be, self.fallback, self.max_k, self.max_allow = backend, fallback, max_k, max_allow
         self.kernels = SamplerKernels.get()
         self.constant = ConstantTrie(self.kernels)
@@ -302,17 +314,17 @@ class DeviceSampler:
         self._next_out = 0
         status, token, edge = (self.dev_out[i * n:(i + 1) * n] for i in range(3))
         self.dev_token = token
-        cand = [cuda.device_array(n * c, np.int32) for _ in range(3)]  # child, lo, edge of each candidate
-        done = cuda.device_array(n, np.int32)
+        cand = [cuda.device_array(n * c, np.int32) for _ in range(4)]  # child, lo, edge, ends of each candidate
+        self.done = cuda.device_array(n, np.int32)
         st = backend.stream.handle
         self._mask_tail = [dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], dev_fields["k"], allow,
-                           dev_fields["allow_start"], dev_fields["allow_len"], backend.cand, *cand, backend.ncand,
-                           c, status]
+                           dev_fields["allow_start"], dev_fields["allow_len"], int(finish_forced), backend.cand,
+                           *cand, backend.ncand, c, status]
         self._mask_head = [dev_fields["base"], dev_fields["const"]]
         self.launch_mask = None  # packed once an arena exists (rebuilt when the arena grows)
         self.launch_select = Launch(self.kernels.select, THREADS, 0,
                                     [backend.sparse, c, backend.cand, *cand, backend.ncand, c, status,
-                                     dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], done, token,
+                                     dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], self.done, token,
                                      edge, self.dev_logprob], st)
 
     def _register(self, catalog) -> None:
@@ -372,6 +384,11 @@ class DeviceSampler:
         """The device buffer holding the picked tokens (row i: row i's), for the next step's forward;
         None for picks made on the host. A row with no candidate holds token 0 there, a valid id."""
         return picks.tokens if isinstance(picks, DevicePicks) else None
+
+    def done_flags(self, picks):
+        """The device buffer of whether each row's answer ended at `picks` (row i: row i's), for a step
+        launched ahead of them to run only if some row is still live; None for picks made on the host."""
+        return self.done if isinstance(picks, DevicePicks) else None
 
     def _enqueue(self, seqs) -> "DevicePicks":
         """k_mask, the sparse head and k_select for rows 0..n-1, then their copy out into the host buffers

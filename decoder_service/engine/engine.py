@@ -18,7 +18,8 @@ before the host reads them, so where the next step can only be the same rows one
 engine enqueues it first, its tokens copied on the device, and reads this step's picks while it runs:
 the host's share of a step (planning, staging, reading, advancing) overlaps the device's. Its rows
 compute exactly what the step planned after the read would, so no answer depends on it. A step
-launched ahead of rows that all end at the read is never read: the next request's host work overlaps it.
+launched ahead of rows that all end at the read is never read: the next request's host work overlaps it,
+and on the device its forward pass does not run (the sampler's done flags gate it).
 
 Forced tails: on an answer's last pointer, once one name is left below the row's node, each of its
 remaining tokens (and the stop) is the sampler's only candidate, chosen with log-probability 0 whatever
@@ -48,11 +49,11 @@ from shared.trie import Trie, TrieWalkError
 log = logging.getLogger("tooltrie.engine")
 
 
-def make_sampler(backend, head: str):
+def make_sampler(backend, head: str, finish_forced: bool):
     """The device sampler for the sparse head on a GPU backend, the host sampler otherwise."""
     if head == "sparse" and getattr(backend, "name", "") == "cuda":
         from decoder_service.engine.cuda_sampler import DeviceSampler
-        return DeviceSampler(backend, HostSampler(backend, head))
+        return DeviceSampler(backend, HostSampler(backend, head), finish_forced=finish_forced)
     return HostSampler(backend, head)
 
 
@@ -110,7 +111,7 @@ class DecodeEngine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
-        self.sampler = make_sampler(backend, config.head)
+        self.sampler = make_sampler(backend, config.head, config.finish_forced)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
         self.steps_dropped = 0                # of those, how many were dropped unread (every row had ended)
@@ -287,13 +288,16 @@ class DecodeEngine:
         output, the sampler continuing from the trie state it left on the device. Every row's inputs
         are those the step planned after reading the picks would have (rows in another order, which no
         row's result depends on). A row that ends meanwhile has its pick dropped when read; its K/V write
-        lands in blocks whose next owner's steps are enqueued after this one, on the same stream."""
+        lands in blocks whose next owner's steps are enqueued after this one, on the same stream. Its forward
+        pass runs only if some row's answer did not end at those picks (the sampler's done flags): where
+        all did, the step is dropped unread (step()) and would only delay the next request."""
         prev, n = launched.batch, len(launched.sampling)
         rows = np.arange(n, dtype=np.int32)
         batch = StepBatch(tokens=np.zeros(n, np.int32), slots=rows,
                           positions=np.ascontiguousarray(prev.positions[prev.logit_rows] + 1, np.int32),
                           block_tables=prev.block_tables, logit_rows=rows, decode_rows=n)
-        self.backend.forward(batch, device_tokens=self.sampler.next_tokens(launched.picks))
+        self.backend.forward(batch, device_tokens=self.sampler.next_tokens(launched.picks),
+                             skip_if_done=self.sampler.done_flags(launched.picks))
         return Launched(batch, launched.sampling, self.sampler.follow(launched.picks), [])
 
     def _read(self, launched: Launched) -> None:

@@ -1,7 +1,7 @@
 """CudaBackend: the model step on the GPU, in the interface of docs/model_runtime_interface.md.
 
 Host-level interface (same as the cpu backend and the reference):
-    forward(batch[, device_tokens]) -> None; dense_logits() -> float32 [N, V];
+    forward(batch[, device_tokens, skip_if_done]) -> None; dense_logits() -> float32 [N, V];
     sparse_logits(cand, n) -> float32 [N, C]
     (forward replays a CUDA graph, captured once per launch shape, for a step of decode rows only)
 
@@ -44,7 +44,8 @@ from . import compat  # noqa: F401
 from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_KERNELS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA,
                       MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats,
                       attn_shared_floats)
-from .launcher import Graph, Kernel, Launch, Scalar, Stream, event_wait_host, new_event
+from .graph_gate import GATE_SIGNATURE, k_gate
+from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 
 from numba import cuda  # noqa: E402
 import ctypes  # noqa: E402
@@ -297,6 +298,7 @@ class CudaBackend:
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
+        self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
         self.tile_attention = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
@@ -622,10 +624,11 @@ class CudaBackend:
         if N:
             ls.launch(gs, N)
 
-    def capture(self, fn) -> Graph:
-        """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream."""
+    def capture(self, fn, gate: tuple | None = None) -> Graph:
+        """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream; with
+        gate = (done, n), the graph runs fn only where some of done[0..n) is 0 (launcher.Graph)."""
         self._ensure_context()
-        return Graph(self.stream, fn)
+        return Graph(self.stream, fn, None if gate is None else (self.gate, *gate))
 
     @property
     def num_graphs(self) -> int:
@@ -636,7 +639,7 @@ class CudaBackend:
         self.stream.synchronize()
 
     # ------------------------------------------------------------------------------ host interface
-    def forward(self, batch: StepBatch, device_tokens=None) -> None:
+    def forward(self, batch: StepBatch, device_tokens=None, skip_if_done=None) -> None:
         """Validate, stage and enqueue the step. A step of decode rows only (up to graph_rows) replays
         the graph captured for its launch shape, one cuGraphLaunch instead of 2 + 6L raw launches
         (~5 µs of host time each, GPU_NOTES); the graph runs the same kernels with the same
@@ -644,7 +647,10 @@ class CudaBackend:
 
         device_tokens (a device int32 array) replaces batch.tokens with its first R entries, copied in
         stream order: the engine feeds a step the tokens the previous step's sampler wrote on the
-        device before the host has read them."""
+        device before the host has read them. skip_if_done (a device int32 array, the sampler's done
+        flags) makes such a replayed step's forward pass run only if some of its first R entries is 0
+        when the step reaches the device (a gated graph; other steps always run): the engine's step
+        ahead of rows whose answers may all have ended at the picks before it."""
         self._ensure_context()
         batch.validate(self.spec.block_size, self.spec.num_blocks, self.cfg.vocab_size)
         self.stage(batch)
@@ -655,12 +661,13 @@ class CudaBackend:
         if not (batch.decode_rows == R <= self.graph_rows):
             self.launch_forward(R, N)
             return
-        key = (R, N, self.table_stride.value, self.attn_grids(self._max_ctx))
+        gate = None if skip_if_done is None else (skip_if_done, R)
+        key = (R, N, self.table_stride.value, self.attn_grids(self._max_ctx), gate and dptr(skip_if_done))
         graph = self._graphs.get(key)
         if graph is None:
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.pop(next(iter(self._graphs)))   # the oldest capture
-            graph = self._graphs[key] = self.capture(lambda: self.launch_forward(R, N))
+            graph = self._graphs[key] = self.capture(lambda: self.launch_forward(R, N), gate)
         graph.replay()
 
     def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:

@@ -20,6 +20,7 @@ import os
 import numpy as np
 
 from . import compat  # noqa: F401
+from .graph_gate import SIM_CONDITIONS
 from .kernels import KERNELS, SIM, pdl_capable, signatures
 
 from numba import cuda  # noqa: E402
@@ -70,8 +71,8 @@ def check(res, what: str = "CUDA call"):
 
 
 def dptr(arr) -> int:
-    """Device address of a numba device array (or view)."""
-    return int(arr.__cuda_array_interface__["data"][0])
+    """Device address of a numba device array (or view); under the simulator, which has none, its id."""
+    return id(arr) if SIM else int(arr.__cuda_array_interface__["data"][0])
 
 
 class Scalar:
@@ -92,7 +93,7 @@ class Scalar:
 
 
 _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64, "float32": ctypes.c_float,
-           "float64": ctypes.c_double, "uint32": ctypes.c_uint32}
+           "float64": ctypes.c_double, "uint32": ctypes.c_uint32, "uint64": ctypes.c_uint64}
 
 
 class Kernel:
@@ -318,29 +319,69 @@ class Graph:
     ``fn`` must only enqueue work on the stream (no allocation, no host synchronisation, no
     pageable copies): everything it launches is recorded, nothing runs during capture. Every kernel
     must already be compiled and loaded (the backend does that at construction).
+
+    With a ``gate`` (graph_gate.k_gate's Kernel, a device int32 array of done flags, a row count n),
+    the captured launches are the body of a conditional IF node after one k_gate launch: at a replay
+    the body runs only if some of flags[0..n) is 0.
     """
 
-    def __init__(self, stream: Stream, fn):
+    def __init__(self, stream: Stream, fn, gate: tuple | None = None):
         self.stream = stream
         self.fn = fn
         self.num_nodes = 0
-        self._exec = self._graph = None
+        self._exec = self._graph = self._gate = None
+        if gate is not None:
+            kernel, flags, n = gate
+            handle = id(self) if SIM else None   # the simulator's: a key of SIM_CONDITIONS
+            if not SIM:
+                self._graph = check(drv.cuGraphCreate(0), "cuGraphCreate")
+                context = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+                handle = check(drv.cuGraphConditionalHandleCreate(self._graph, context, 0, 0),
+                               "cuGraphConditionalHandleCreate")
+            self._gate = Launch(kernel, 1, 0, [flags, n, int(handle)], stream.handle)
+            self._handle = int(handle)
         if SIM:
             return
-        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-        with cuda.defer_cleanup():
-            check(drv.cuStreamBeginCapture(stream.handle, mode), "cuStreamBeginCapture")
-            try:
-                fn()
-            except BaseException:
-                drv.cuStreamEndCapture(stream.handle)
-                raise
-            self._graph = check(drv.cuStreamEndCapture(stream.handle), "cuStreamEndCapture")
+        if gate is None:
+            self._graph = self._capture(None, fn)
+        else:
+            self._capture(self._graph, lambda: self._gate.launch(1))
+            gate_node, = check(drv.cuGraphGetNodes(self._graph, 1), "cuGraphGetNodes")[0]
+            params = drv.CUgraphNodeParams()
+            params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+            params.conditional.handle = handle
+            params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+            params.conditional.size = 1
+            params.conditional.ctx = context
+            add = getattr(drv, "cuGraphAddNode_v2", drv.cuGraphAddNode)   # CUDA 12's name for 13's call
+            check(add(self._graph, [gate_node], None, 1, params), "cuGraphAddNode(conditional IF)")
+            self._capture(params.conditional.phGraph_out[0], fn)
         self._exec = check(drv.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
         _, self.num_nodes = check(drv.cuGraphGetNodes(self._graph, 0), "cuGraphGetNodes")
 
+    def _capture(self, graph, fn):
+        """Record fn's launches into `graph` (None: a new graph, returned)."""
+        mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        stream = self.stream.handle
+        with cuda.defer_cleanup():
+            if graph is None:
+                check(drv.cuStreamBeginCapture(stream, mode), "cuStreamBeginCapture")
+            else:
+                check(drv.cuStreamBeginCaptureToGraph(stream, graph, None, None, 0, mode),
+                      "cuStreamBeginCaptureToGraph")
+            try:
+                fn()
+            except BaseException:
+                drv.cuStreamEndCapture(stream)
+                raise
+            return check(drv.cuStreamEndCapture(stream), "cuStreamEndCapture")
+
     def replay(self) -> None:
         if SIM:
+            if self._gate is not None:
+                self._gate.launch(1)
+                if not SIM_CONDITIONS[self._handle]:
+                    return
             self.fn()
             return
         err, = drv.cuGraphLaunch(self._exec, self.stream.handle)
