@@ -79,3 +79,40 @@ def test_random_batches_cut_every_run_of_rows_into_tiles():
         rows, tiles = attention_plan(batch, int(batch.positions.max()) + 1, tile_from, per_tile, split, most, TP)
         assert tiles.tolist() == want
         assert rows.tolist() == [i for i in range(batch.num_rows) if i not in tiled]
+
+
+_STEPS_AFTER_THE_HELPERS = """
+import json
+import numpy as np
+from decoder_service.model.batch import StepBatch, _first_fault
+from decoder_service.model.cuda.backend import _cut_tiles, attention_plan, compile_step_helpers
+from decoder_service.model.cuda.kernels import TP
+compile_step_helpers(16, 64, 1000, 3, TP, 64)
+compiled = (len(_first_fault.signatures), len(_cut_tiles.signatures))
+tables = np.zeros((2, 4), np.int32)
+prompt = StepBatch.from_chunks([(0, [5], 40), (1, list(range(7)), 0)], tables, 1)
+rows = np.arange(2, dtype=np.int32)
+ahead = StepBatch(tokens=np.zeros(2, np.int32), slots=rows, positions=np.array([41, 7], np.int32),
+                  block_tables=tables, logit_rows=rows, decode_rows=2)
+for batch in (prompt, ahead):
+    batch.validate(16, 64, 1000)
+    attention_plan(batch, int(batch.positions.max()) + 1, 4, 3, TP, 64, TP)
+print(json.dumps([compiled, (len(_first_fault.signatures), len(_cut_tiles.signatures))]))
+"""
+
+
+def test_the_backend_compiles_a_steps_host_helpers_before_its_first_step():
+    """CudaBackend's constructor runs compile_step_helpers, so that a catalog's warm-up (the first step)
+    never waits for numba to compile the batch check or the tile search: in a fresh process, a prompt
+    step and a step of decode rows built as the engine builds them (one planned, one launched ahead)
+    compile nothing more."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _STEPS_AFTER_THE_HELPERS], cwd=root, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    helpers, after_steps = json.loads(out.stdout.strip().splitlines()[-1])
+    assert helpers == after_steps and min(helpers) > 0, out.stdout

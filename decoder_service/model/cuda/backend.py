@@ -110,6 +110,16 @@ def _cut_tiles(slots, positions, decode_rows, tile_from, rows_per_tile, split, m
     return rows[:n_rows], tiles[:n_tiles]
 
 
+def compile_step_helpers(block_size: int, num_blocks: int, vocab_size: int, rows_per_tile: int, split: int,
+                         most_splits: int) -> None:
+    """Compile a step's host helpers (StepBatch.validate's check, attention_plan's tile search: numba,
+    cached on disk) for the argument types a step passes them, now: on a cold cache they take ~2 s, which
+    the first step, a catalog's warm-up, would otherwise wait for (perf log g2)."""
+    batch = StepBatch.from_chunks([(0, [0, 0], 0)], np.zeros((1, 1), np.int32))
+    batch.validate(block_size, num_blocks, vocab_size)
+    attention_plan(batch, 2, 0, rows_per_tile, split, most_splits, TP)
+
+
 class RowPlan(NamedTuple):
     """How a step's rows go through the four matrices of every layer (CudaBackend.row_plan)."""
     gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
@@ -311,6 +321,8 @@ class CudaBackend:
         Launch(k["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
                s.handle, "rope_table").launch(-(-self.reach * (hd // 2) // self.t_small))
         self._build_launches()
+        compile_step_helpers(kv_spec.block_size, kv_spec.num_blocks, cfg.vocab_size, self.rows_per_tile,
+                             self.attn_split, self.most_splits)
         s.synchronize()
 
     # ------------------------------------------------------------------------------------ set-up
