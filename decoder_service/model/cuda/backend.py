@@ -114,7 +114,7 @@ def compile_step_helpers(block_size: int, num_blocks: int, vocab_size: int, rows
                          most_splits: int) -> None:
     """Compile a step's host helpers (StepBatch.validate's check, attention_plan's tile search: numba,
     cached on disk) for the argument types a step passes them, now: on a cold cache they take ~2 s, which
-    the first step, a catalog's warm-up, would otherwise wait for (perf log g2)."""
+    the first step, a catalog's warm-up, would otherwise wait for (perf log g3)."""
     batch = StepBatch.from_chunks([(0, [0, 0], 0)], np.zeros((1, 1), np.int32))
     batch.validate(block_size, num_blocks, vocab_size)
     attention_plan(batch, 2, 0, rows_per_tile, split, most_splits, TP)

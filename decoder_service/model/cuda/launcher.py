@@ -330,37 +330,36 @@ class Graph:
         self.fn = fn
         self.num_nodes = 0
         self._exec = self._graph = self._gate = None
-        if gate is not None:
-            kernel, flags, n = gate
-            handle = id(self) if SIM else None   # the simulator's: a key of SIM_CONDITIONS
-            if not SIM:
-                self._graph = check(drv.cuGraphCreate(0), "cuGraphCreate")
-                context = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
-                handle = check(drv.cuGraphConditionalHandleCreate(self._graph, context, 0, 0),
-                               "cuGraphConditionalHandleCreate")
-            self._gate = Launch(kernel, 1, 0, [flags, n, int(handle)], stream.handle)
-            self._handle = int(handle)
         if SIM:
+            if gate is not None:   # the handle: a key of SIM_CONDITIONS
+                kernel, flags, n = gate
+                self._gate = Launch(kernel, 1, 0, [flags, n, id(self)], stream.handle)
             return
-        if gate is None:
-            self._graph = self._capture(None, fn)
-        else:
-            self._capture(self._graph, lambda: self._gate.launch(1))
-            gate_node, = check(drv.cuGraphGetNodes(self._graph, 1), "cuGraphGetNodes")[0]
-            params = drv.CUgraphNodeParams()
-            params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-            params.conditional.handle = handle
-            params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
-            params.conditional.size = 1
-            params.conditional.ctx = context
-            add = getattr(drv, "cuGraphAddNode_v2", drv.cuGraphAddNode)   # CUDA 12's name for 13's call
-            check(add(self._graph, [gate_node], None, 1, params), "cuGraphAddNode(conditional IF)")
-            self._capture(params.conditional.phGraph_out[0], fn)
+        self._graph = self._capture(None, fn) if gate is None else self._gated(fn, *gate)
         self._exec = check(drv.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
         _, self.num_nodes = check(drv.cuGraphGetNodes(self._graph, 0), "cuGraphGetNodes")
 
+    def _gated(self, fn, kernel, flags, n):
+        """A graph: one k_gate launch setting a conditional handle, then an IF node whose body is fn's."""
+        graph = check(drv.cuGraphCreate(0), "cuGraphCreate")
+        context = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
+        handle = check(drv.cuGraphConditionalHandleCreate(graph, context, 0, 0), "cuGraphConditionalHandleCreate")
+        self._gate = Launch(kernel, 1, 0, [flags, n, int(handle)], self.stream.handle)
+        self._capture(graph, lambda: self._gate.launch(1))
+        gate_node, = check(drv.cuGraphGetNodes(graph, 1), "cuGraphGetNodes")[0]
+        params = drv.CUgraphNodeParams()
+        params.type = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = drv.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_IF
+        params.conditional.size = 1
+        params.conditional.ctx = context
+        add = getattr(drv, "cuGraphAddNode_v2", drv.cuGraphAddNode)   # CUDA 12's name for 13's call
+        check(add(graph, [gate_node], None, 1, params), "cuGraphAddNode(conditional IF)")
+        self._capture(params.conditional.phGraph_out[0], fn)
+        return graph
+
     def _capture(self, graph, fn):
-        """Record fn's launches into `graph` (None: a new graph, returned)."""
+        """Record fn's launches into `graph` (None: a new graph); the graph recorded into."""
         mode = drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         stream = self.stream.handle
         with cuda.defer_cleanup():
@@ -380,7 +379,7 @@ class Graph:
         if SIM:
             if self._gate is not None:
                 self._gate.launch(1)
-                if not SIM_CONDITIONS[self._handle]:
+                if not SIM_CONDITIONS[id(self)]:
                     return
             self.fn()
             return
