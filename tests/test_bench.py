@@ -28,7 +28,7 @@ def test_report_renders_the_recorded_h200_run_as_written():
     res = json.loads((RESULTS / "bench_h200.json").read_text())
     md = report.markdown(res)
     assert md + "\n" == (RESULTS / "bench_h200.md").read_text()
-    assert "| smollm2-135m | metatool | 6.8x | 10.4x | 23.4x |" in md
+    assert "| smollm2-135m | metatool | 7.8x | 10.2x | 28.5x |" in md
     assert "**0 mismatches**" in md
 
 
