@@ -126,7 +126,8 @@ def main() -> None:
             "n_emitted": np.asarray([r[5] for r in rows], np.int32), "k": np.asarray([r[1] for r in rows], np.int32),
         }
         dev = {key: cuda.to_device(v) for key, v in d.items()}
-        cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32)) for key in ("token", "child", "lo", "edge", "ends")}
+        cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32))
+                for key in ("token", "child", "lo", "edge", "ends")}
         ncand, status = cuda.to_device(np.zeros(N, np.int32)), cuda.to_device(np.zeros(N, np.int32))
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
         done = cuda.to_device(np.zeros(N, np.int32))

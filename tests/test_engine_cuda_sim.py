@@ -13,8 +13,9 @@ steps ahead of the picks (the next step fed the device's tokens and trie state b
 them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
 time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off, and a
 step launched ahead of an answer that completes at the read is dropped without being read, its forward
-pass skipped on the device by the sampler's done flags (exactly those steps: counted under the simulator). A stale
-constant-memory binding fails the requests loudly (INTERNAL), never with a plausible answer.
+pass skipped on the device by the sampler's done flags (exactly those steps: counted under the
+simulator). A stale constant-memory binding fails the requests loudly (INTERNAL), never with a plausible
+answer.
 """
 from __future__ import annotations
 
@@ -169,8 +170,8 @@ def main() -> None:
                        [(e.name, e.logprob) for e in events if not isinstance(e, DoneEvent)])
         return out
 
-    ahead, dropped, skipped, forced = [], [], [], []  # steps launched ahead (dropped unread) and tokens taken without a step,
-    # by serve() call
+    # by serve() call: steps launched ahead (dropped unread; their forward skipped), tokens taken without a step
+    ahead, dropped, skipped, forced = [], [], [], []
     expected = serve(HostSampler(backend))
     device = cs.DeviceSampler(backend, HostSampler(backend))
     got = serve(device)
