@@ -50,30 +50,38 @@ def decode_batch(rows: int) -> StepBatch:
                      logit_rows=np.arange(rows, dtype=np.int32), decode_rows=rows)
 
 
-def cuda_sides(be, trie, rows):
-    """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
+def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand_token=None, count=None):
+    """k_mask and k_select for `rows` rows at the root of a packed trie (k 3, nothing emitted, every tool
+    allowed; const 1: the trie is read from constant memory, 0: from the arena), on the stream handle
+    `stream`, the candidates' logits read from `logits` (the candidate tokens and counts written to
+    cand_token and count where given): (mask, select, the rows' buffers, the candidates' buffers)."""
     from numba import cuda
 
     from decoder_service.engine import cuda_sampler as cs
-    from decoder_service.model.cuda.launcher import Launch
+    i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
+    zeros = lambda: i32(np.zeros(rows))  # noqa: E731
+    row = {"base": zeros(), "const": i32(np.full(rows, const)), "node": zeros(), "n_emitted": zeros(),
+           "k": i32(np.full(rows, 3)), "allow_start": zeros(), "allow_len": i32(np.full(rows, -1)),
+           "emitted": i32(np.full(rows * 4, -1))}
+    cand = {"token": i32(np.zeros(rows * cmax)) if cand_token is None else cand_token,
+            "count": zeros() if count is None else count, "status": zeros(),
+            **{key: i32(np.zeros(rows * cmax)) for key in ("child", "lo", "edge", "ends")}}
+    picks = {"done": zeros(), "token": zeros(), "edge": zeros(), "logprob": cuda.to_device(np.zeros(rows))}
+    mask, select = cs.sampler_launches(cs.SamplerKernels.get(), stream, i32(packed), row, 4, i32(np.zeros(1)), True,
+                                       cand, cmax, logits, picks)
+    return mask, select, row, cand
+
+
+def cuda_sides(be, trie, rows):
+    """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
+    from decoder_service.engine import cuda_sampler as cs
     batch = decode_batch(rows)
     be.stage(batch)
     packed = cs.pack_trie(trie)
-    kernels = cs.SamplerKernels.get()
-    cs.ConstantTrie(kernels).bind(("metatool", 1), packed, be.stream)
-    i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    cm = be.max_candidates
-    node, emitted, n_emitted, status = i32(np.zeros(rows)), i32(np.full(rows * 4, -1)), i32(np.zeros(rows)), \
-        i32(np.zeros(rows))
-    child, lo, edge, ends = (i32(np.zeros(rows * cm)) for _ in range(4))
-    mask = Launch(kernels.mask, cs.THREADS, 0,
-                  [i32(packed), i32(np.zeros(rows)), i32(np.ones(rows)), node, emitted, 4, n_emitted,
-                   i32(np.full(rows, 3)), i32(np.zeros(1)), i32(np.zeros(rows)), i32(np.full(rows, -1)), 1,
-                   be.cand, child, lo, edge, ends, be.ncand, cm, status], be.stream.handle)
-    select = Launch(kernels.select, cs.THREADS, 0,
-                    [be.sparse, cm, be.cand, child, lo, edge, ends, be.ncand, cm, status, node, emitted, 4, n_emitted,
-                     i32(np.zeros(rows)), i32(np.zeros(rows)), i32(np.zeros(rows)), cuda.to_device(np.zeros(rows))],
-                    be.stream.handle)
+    cs.ConstantTrie(cs.SamplerKernels.get()).bind(("metatool", 1), packed, be.stream)
+    mask, select, row, cand = root_launches(packed, rows, 1, be.max_candidates, be.stream.handle, be.sparse, be.cand,
+                                            be.ncand)
+    node, status = row["node"], cand["status"]
 
     def constrained():
         be.stream.memset0(node)  # every replay starts at the root: the widest node

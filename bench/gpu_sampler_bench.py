@@ -16,9 +16,10 @@ import numpy as np
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "tests")]
 
+from bench.constrained_step import root_launches  # noqa: E402
 from compiler_service.compiler import compile_catalog  # noqa: E402
 from decoder_service.engine import cuda_sampler as cs  # noqa: E402
-from decoder_service.model.cuda.launcher import Launch, Stream, event_ms, new_event  # noqa: E402
+from decoder_service.model.cuda.launcher import Stream, event_ms, new_event  # noqa: E402
 from numba import cuda  # noqa: E402
 from shared.catalog import parse_registry  # noqa: E402
 from shared.tokenizer import ModelTokenizer  # noqa: E402
@@ -28,19 +29,9 @@ from tokenizer_fixtures import catalog_path, make_tokenizer_dir  # noqa: E402
 def time_kernels(trie, packed, use_const, n_rows, stream, reps=200):
     """(k_mask µs, k_select µs) per launch for n_rows rows at the root."""
     cmax = trie.max_fanout()
-    i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    node, emitted, n_emitted = i32(np.zeros(n_rows)), i32(np.full(n_rows * 4, -1)), i32(np.zeros(n_rows))
-    cand = [i32(np.zeros(n_rows * cmax)) for _ in range(5)]   # token, child, lo, edge, ends
-    ncand, status = i32(np.zeros(n_rows)), i32(np.zeros(n_rows))
     logits = cuda.to_device(np.random.default_rng(0).standard_normal(n_rows * cmax).astype(np.float32))
-    kernels = cs.SamplerKernels.get()
-    mask = Launch(kernels.mask, cs.THREADS, 0,
-                  [i32(packed), i32(np.zeros(n_rows)), i32(np.full(n_rows, use_const)), node, emitted, 4, n_emitted,
-                   i32(np.full(n_rows, 3)), i32(np.zeros(1)), i32(np.zeros(n_rows)), i32(np.full(n_rows, -1)),
-                   1, *cand, ncand, cmax, status], stream.handle)
-    select = Launch(kernels.select, cs.THREADS, 0,
-                    [logits, cmax, *cand, ncand, cmax, status, node, emitted, 4, n_emitted, i32(np.zeros(n_rows)),
-                     i32(np.zeros(n_rows)), i32(np.zeros(n_rows)), cuda.to_device(np.zeros(n_rows))], stream.handle)
+    mask, select, _, cand = root_launches(packed, n_rows, use_const, cmax, stream.handle, logits)
+    ncand, status = cand["count"], cand["status"]
     mask.launch(n_rows)
     stream.synchronize()
     assert (status.copy_to_host() == 0).all() and (ncand.copy_to_host() == cmax).all(), "root mask incomplete"

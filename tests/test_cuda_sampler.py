@@ -76,7 +76,7 @@ def main() -> None:
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.engine.sampler import SEP, STOP, legal_edges, select
     from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.cuda.launcher import Launch, Stream
+    from decoder_service.model.cuda.launcher import Stream
     from shared.catalog import parse_registry
     from shared.tokenizer import ModelTokenizer
     from tokenizer_fixtures import catalog_path, make_tokenizer_dir
@@ -118,35 +118,31 @@ def main() -> None:
     kernels, stream = cs.SamplerKernels.get(), Stream()
 
     def launch():
-        """k_mask then k_select over every row, launched as the engine launches them."""
+        """k_mask then k_select over every row, packed and launched as the engine's are
+        (cuda_sampler.sampler_launches)."""
         d = {
-            "row_base": np.asarray([0 if r[0] == "metatool" else base[r[0]] for r in rows], np.int32),
-            "row_const": np.asarray([1 if r[0] == "metatool" else 0 for r in rows], np.int32),
+            "base": np.asarray([0 if r[0] == "metatool" else base[r[0]] for r in rows], np.int32),
+            "const": np.asarray([1 if r[0] == "metatool" else 0 for r in rows], np.int32),
             "node": np.asarray([r[3] for r in rows], np.int32), "emitted": emitted.ravel().copy(),
             "n_emitted": np.asarray([r[5] for r in rows], np.int32), "k": np.asarray([r[1] for r in rows], np.int32),
+            "allow_start": allow_start, "allow_len": allow_len,
         }
         dev = {key: cuda.to_device(v) for key, v in d.items()}
         cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32))
                 for key in ("token", "child", "lo", "edge", "ends")}
         ncand, status = cuda.to_device(np.zeros(N, np.int32)), cuda.to_device(np.zeros(N, np.int32))
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
-        done = cuda.to_device(np.zeros(N, np.int32))
         out = {key: cuda.to_device(np.zeros(N, dt)) for key, dt in
-               (("token", np.int32), ("edge", np.int32), ("logprob", np.float64))}
-        keep = [cuda.to_device(arena), cuda.to_device(allow_arena), cuda.to_device(allow_start),
-                cuda.to_device(allow_len), cuda.to_device(logits.ravel())]  # alive until the launches ran
-        Launch(kernels.mask, cs.THREADS, 0, [keep[0], dev["row_base"], dev["row_const"], dev["node"],
-                                             dev["emitted"], kmax, dev["n_emitted"], dev["k"], keep[1], keep[2],
-                                             keep[3], 1, cand["token"], cand["child"], cand["lo"], cand["edge"],
-                                             cand["ends"], ncand, cmax, status], stream.handle).launch(N)
-        Launch(kernels.select, cs.THREADS, 0, [keep[4], cmax, cand["token"], cand["child"], cand["lo"],
-                                               cand["edge"], cand["ends"], ncand, cmax, status, dev["node"],
-                                               dev["emitted"],
-                                               kmax, dev["n_emitted"], done, out["token"], out["edge"],
-                                               out["logprob"]], stream.handle).launch(N)
+               (("done", np.int32), ("token", np.int32), ("edge", np.int32), ("logprob", np.float64))}
+        mask, select = cs.sampler_launches(kernels, stream.handle, cuda.to_device(arena), dev, kmax,
+                                           cuda.to_device(allow_arena), True,
+                                           {**cand, "count": ncand, "status": status}, cmax,
+                                           cuda.to_device(logits.ravel()), out)
+        mask.launch(N)
+        select.launch(N)
         stream.synchronize()
         return (ncand.copy_to_host(), cand["edge"].copy_to_host().reshape(N, cmax), status.copy_to_host(),
-                logits, {key: v.copy_to_host() for key, v in {**out, "done": done}.items()})
+                logits, {key: v.copy_to_host() for key, v in out.items()})
 
     cs.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
     nc, edges, status, logits, out = launch()

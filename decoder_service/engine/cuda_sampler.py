@@ -244,6 +244,28 @@ class SamplerKernels:
         return cls._instance
 
 
+def sampler_launches(kernels: SamplerKernels, stream, arena, rows: dict, kstride: int, allow, forced: bool,
+                     cand: dict, cmax: int, logits, picks: dict) -> tuple[Launch, Launch]:
+    """k_mask and k_select with their arguments packed (the one place that knows their order), on the
+    stream handle `stream`, for these device buffers:
+    rows    the int32 [n] arrays named by DeviceSampler.FIELDS, and "emitted" [n * kstride];
+    allow   the rows' allowlists, one int32 array (a row's: allow_start, allow_len; -1: all allowed);
+    forced  the engine's finish_forced (what `done` means);
+    cand    "token", "child", "lo", "edge", "ends" [n * cmax] and "count", "status" [n] (int32);
+    logits  float32 [n * cmax], the sparse head's logits of the candidates;
+    picks   "done", "token", "edge" (int32 [n]) and "logprob" (float64 [n])."""
+    mask = Launch(kernels.mask, THREADS, 0,
+                  [arena, rows["base"], rows["const"], rows["node"], rows["emitted"], kstride, rows["n_emitted"],
+                   rows["k"], allow, rows["allow_start"], rows["allow_len"], int(forced), cand["token"],
+                   cand["child"], cand["lo"], cand["edge"], cand["ends"], cand["count"], cmax, cand["status"]],
+                  stream)
+    select = Launch(kernels.select, THREADS, 0,
+                    [logits, cmax, cand["token"], cand["child"], cand["lo"], cand["edge"], cand["ends"],
+                     cand["count"], cmax, cand["status"], rows["node"], rows["emitted"], kstride, rows["n_emitted"],
+                     picks["done"], picks["token"], picks["edge"], picks["logprob"]], stream)
+    return mask, select
+
+
 class ConstantTrie:
     """Residency of one catalog version in k_mask's constant memory, re-bound on every switch."""
 
@@ -314,18 +336,16 @@ class DeviceSampler:
         self._next_out = 0
         status, token, edge = (self.dev_out[i * n:(i + 1) * n] for i in range(3))
         self.dev_token = token
-        cand = [cuda.device_array(n * c, np.int32) for _ in range(4)]  # child, lo, edge, ends of each candidate
         self.done = cuda.device_array(n, np.int32)
-        st = backend.stream.handle
-        self._mask_tail = [dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], dev_fields["k"], allow,
-                           dev_fields["allow_start"], dev_fields["allow_len"], int(finish_forced), backend.cand,
-                           *cand, backend.ncand, c, status]
-        self._mask_head = [dev_fields["base"], dev_fields["const"]]
-        self.launch_mask = None  # packed once an arena exists (rebuilt when the arena grows)
-        self.launch_select = Launch(self.kernels.select, THREADS, 0,
-                                    [backend.sparse, c, backend.cand, *cand, backend.ncand, c, status,
-                                     dev_fields["node"], emitted, max_k, dev_fields["n_emitted"], self.done, token,
-                                     edge, self.dev_logprob], st)
+        # k_mask's and k_select's buffers (sampler_launches); the launches are packed once an arena exists,
+        # and again whenever it grows
+        self._buffers = dict(
+            rows={**dev_fields, "emitted": emitted}, kstride=max_k, allow=allow, forced=finish_forced,
+            cand={"token": backend.cand, "count": backend.ncand, "status": status,
+                  **{key: cuda.device_array(n * c, np.int32) for key in ("child", "lo", "edge", "ends")}},
+            cmax=c, logits=backend.sparse, picks={"done": self.done, "token": token, "edge": edge,
+                                                  "logprob": self.dev_logprob})
+        self.launch_mask = self.launch_select = None
 
     def _register(self, catalog) -> None:
         """Put a version's packed trie in the arena (once), and in constant memory if it fits."""
@@ -338,8 +358,8 @@ class DeviceSampler:
             self.base[k] = offset
             offset += len(p)
         self.arena = cuda.to_device(np.concatenate(list(self.packed.values())))
-        self.launch_mask = Launch(self.kernels.mask, THREADS, 0, [self.arena, *self._mask_head, *self._mask_tail],
-                                  self.be.stream.handle)
+        self.launch_mask, self.launch_select = sampler_launches(self.kernels, self.be.stream.handle, self.arena,
+                                                                **self._buffers)
         if fits_constant_memory(self.packed[key]):
             self.constant.bind(key, self.packed[key], self.be.stream)
 

@@ -673,14 +673,20 @@ class CudaBackend:
         if not (batch.decode_rows == R <= self.graph_rows):
             self.launch_forward(R, N)
             return
-        gate = None if skip_if_done is None else (skip_if_done, R)
-        key = (R, N, self.table_stride.value, self.attn_grids(self._max_ctx), gate and dptr(skip_if_done))
+        key = self.graph_key(R, N, skip_if_done)
         graph = self._graphs.get(key)
         if graph is None:
             if len(self._graphs) >= self.max_graphs:
                 self._graphs.pop(next(iter(self._graphs)))   # the oldest capture
+            gate = None if skip_if_done is None else (skip_if_done, R)
             graph = self._graphs[key] = self.capture(lambda: self.launch_forward(R, N), gate)
         graph.replay()
+
+    def graph_key(self, R: int, N: int, skip_if_done=None) -> tuple:
+        """The graph forward() replays for the staged step of R decode rows and N logit rows: one per
+        launch shape (rows, logit rows, table stride, attention grid) and gate buffer (its address)."""
+        gate = None if skip_if_done is None else dptr(skip_if_done)
+        return R, N, self.table_stride.value, self.attn_grids(self._max_ctx), gate
 
     def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
         """K/V of src_block's first `count` positions, every layer, into dst_block's, in stream order
