@@ -172,9 +172,10 @@ def run_tooltrie(be, cfg, spec, tok, trie, queries, det_seconds: float) -> dict:
         driver.close()
 
 
-def run_peer(cfg, weights, tok, runs: dict, peer_rows: int) -> dict:
+def run_peer(cfg, weights, tok, runs: dict, peer_rows: int, saved=lambda out: None) -> dict:
     """The peer on the same prompt tokens as tooltrie's runs: {workload: (trie, prompt, tooltrie's names)}
-    with prompt = (prefix_ids, [(suffix_ids, k)]). One compiled peer per row count serves every workload."""
+    with prompt = (prefix_ids, [(suffix_ids, k)]). One compiled peer per row count serves every workload;
+    `saved(results so far)` after each (a run cut short keeps the concurrency-1 figures)."""
     import torch
 
     from bench.peer import Peer, round_len
@@ -218,6 +219,7 @@ def run_peer(cfg, weights, tok, runs: dict, peer_rows: int) -> dict:
             log(f"  peer {name}, rows {rows}: p50 {entry['p50_ms']:.1f} ms, {entry['qps']:.1f} queries/s, decode "
                 f"step {step_us:.0f} µs, repeats {entry['repeats']}, first runs (compile) {warm_runs:.0f} s")
         log(f"  peer rows {rows}: {time.perf_counter() - started:.0f} s in all")
+        saved(out)
         del peer
         gc.collect()
         if torch.cuda.is_available():
@@ -243,6 +245,15 @@ def peer_step_us(peer, rows: int, reps: int = 50) -> float:
     return (time.perf_counter() - t) / reps * 1e6
 
 
+def kept_workloads(earlier: dict | None, measured: dict) -> dict:
+    """The workloads of an earlier run's shape entry (--merge) that this run does not measure, each with the
+    run (started, args) it came from."""
+    if not earlier:
+        return {}
+    run = {"started": earlier.get("started"), "args": earlier.get("args")}
+    return {name: {**w, "run": w.get("run", run)} for name, w in earlier["workloads"].items() if name not in measured}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="smollm2-135m,qwen3-1.7b")
@@ -254,8 +265,8 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--merge", action="store_true",
-                   help="keep the other shapes of an earlier run's JSON (one shape per command where a "
-                        "command's time is limited)")
+                   help="keep the other shapes and workloads of an earlier run's JSON (a shape or a workload "
+                        "per command where a command's time is limited)")
     args = p.parse_args()
     gpu = has_gpu()
     device = "h200" if gpu else "cpu"
@@ -278,28 +289,34 @@ def main() -> None:
     for si, shape in enumerate(args.shapes.split(",")):
         cfg, weights, what = model_for(shape, gpu)
         entry = {"args": vars(args), "started": res["started"], "weights": what, "weight_bytes": weights.nbytes(),
-                 "floor_us": round(weights.nbytes() / (bw * 1e9) * 1e6, 1), "workloads": {}}
+                 "floor_us": round(weights.nbytes() / (bw * 1e9) * 1e6, 1),
+                 "workloads": kept_workloads(res["shapes"].get(shape), workloads)}
         log(f"{shape} ({what} weights, {weights.nbytes() / 1e6:.0f} MB): floor {entry['floor_us']:.0f} µs")
         ctx_blocks = -(-cfg.max_position_embeddings // BLOCK)
         step_tokens = max(rows_list) * 1024 if gpu else 0
         spec = KVPoolSpec.from_tokens(max(step_tokens, 8192 + MAX_SEQS * 512), BLOCK)
         be = make_backend(cfg, weights, spec, gpu, max_table=max(MAX_SEQS * ctx_blocks, max(rows_list) * 64))
-        if gpu:
-            entry["step"] = step_table(be, workloads["metatool"][0] if "metatool" in workloads
-                                       else next(iter(workloads.values()))[0], rows_list)
+        if gpu and "metatool" in workloads:          # the decode-step table is measured at the MetaTool root
+            entry["step"] = step_table(be, workloads["metatool"][0], rows_list)
+        elif args.merge and "step" in res["shapes"].get(shape, {}):
+            entry["step"] = res["shapes"][shape]["step"]
         runs = {}
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
             ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, queries, det)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
-                                        "trie_bytes": trie.nbytes, "tooltrie": ours}
+                                        "trie_bytes": trie.nbytes, "tooltrie": ours,
+                                        "run": {"started": res["started"], "args": vars(args)}}
             runs[name] = (trie, prompt, names)
             res["shapes"][shape] = entry
             report.write(res, Path(args.out), device)  # partial results survive a run cut short
         if peer_ok:
-            for name, peer in run_peer(cfg, weights, tok, runs, args.peer_rows).items():
-                entry["workloads"][name]["peer"] = peer
+            def saved(peers):
+                for name, peer in peers.items():
+                    entry["workloads"][name]["peer"] = peer
+                report.write(res, Path(args.out), device)
+            run_peer(cfg, weights, tok, runs, args.peer_rows, saved)
         if gpu:
             from numba import cuda
             free, total = cuda.current_context().get_memory_info()

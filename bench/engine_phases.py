@@ -1,12 +1,12 @@
 """Where a concurrency-1 query's steps spend their wall clock: the host's parts and the device wait.
 
-    python3 bench/engine_phases.py [--workload metatool] [--queries 40]
+    python3 bench/engine_phases.py [--workload metatool] [--queries 40] [--shape smollm2-135m]
 
 A step plans, stages and enqueues the forward pass and the sampler (or takes the step launched ahead),
 enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits for this
 step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one at a
 time on the calling thread (the CUDA backend on a GPU, the CPU backend elsewhere; SmolLM2's real
-weights where present, random bf16 at its shape otherwise), the engine methods in PHASES timed by
+weights where present, random bf16 at the shape otherwise), the engine methods in PHASES timed by
 wrappers; a step's host time is its wall clock less that wait. Prefill and decode steps are reported
 apart (µs, the mean over the steps: an answer's last step also completes it).
 """
@@ -64,11 +64,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", default="metatool")
     p.add_argument("--queries", type=int, default=40)
+    p.add_argument("--shape", default="smollm2-135m", help="a bench shape (random weights but SmolLM2's)")
     args = p.parse_args()
     gpu = has_gpu()
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
     trie, queries = load_workload(args.workload, tok, args.queries)
-    cfg, weights, what = model_for("smollm2-135m", gpu)
+    cfg, weights, what = model_for(args.shape, gpu)
     spec = KVPoolSpec.from_tokens(8192 + MAX_SEQS * 512, BLOCK)
     be = make_backend(cfg, weights, spec, gpu, max_table=MAX_SEQS * -(-cfg.max_position_embeddings // BLOCK))
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
@@ -110,7 +111,7 @@ def main() -> None:
                 rows[kind][ph].append(clock.step[ph])
             rows[kind]["step"].append(total)
             rows[kind]["host"].append(total - clock.step["wait"])
-    print(f"{args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
+    print(f"{args.shape}, {args.workload}, {len(queries)} queries one at a time, {'CUDA' if gpu else 'CPU'} backend "
           f"({what} weights), {engine.steps_ahead} steps launched ahead ({engine.steps_dropped} dropped unread), "
           f"{engine.tokens_forced} tokens taken without a step: µs a step, mean (forward is its "
           f"host call; phases nest as PHASES says); prompt rows a query: mean {statistics.fmean(prompt_rows):.1f}, "

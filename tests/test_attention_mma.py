@@ -1,6 +1,8 @@
 """k_attn_mma, prompt attention on the tensor cores, against float64 (numba's CUDA simulator, or a GPU).
 
-Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk) prefill a chunk
+Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk; on a GPU also Qwen3's
+at head_dim 72 and 128, past k_attn_mma's 64: k_attn_mma_wide, the same body with its arrays sized for 128,
+with a partial chunk and without; the simulator's backend stops at head_dim 16) prefill a chunk
 of rows after a context whose K/V are random, at the smallest split the build allows (8 positions under
 the simulator, 64 on a GPU: the context scales with it), so that a row merges up to four splits and the
 last blocks are partial; the rows attend in tiles of 16 queries, rows x the KV head's query heads. Once
@@ -31,22 +33,23 @@ def test_prompt_attention_on_the_tensor_cores_matches_float64_on_the_gpu():
     from numba import cuda
     if not cuda.is_available():
         pytest.skip("no CUDA GPU")
-    _assert(run_script(__file__, sim=False))
+    _assert(run_script(__file__, sim=False), gpu=True)
 
 
-def _assert(result: dict) -> None:
+def _assert(result: dict, gpu: bool = False) -> None:
     refused = result.pop("refused")
     assert len(refused) == 2 and all("attn_splits=" in m and "must be in [1, 64]" in m for m in refused), refused
-    assert set(result) == {"llama", "qwen3", "llama, at most 3 splits"}
+    wide = {"qwen3, head_dim 72", "qwen3, head_dim 128"} if gpu else set()
+    assert set(result) == {"llama", "qwen3", "llama, at most 3 splits"} | wide
     for arch, r in result.items():
-        assert r["kernel"] == "k_attn_mma", r
+        assert r["kernel"] == ("k_attn_mma_wide" if "head_dim" in arch else "k_attn_mma"), r
         assert r["rel"] < TOLERANCE, (arch, r)
         assert r["cut_invariant"], (arch, r)
     assert result["llama"]["splits"] == [1]
     assert result["llama, at most 3 splits"]["splits"] == [1, 2]
 
 
-def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
+def _case(tmp, arch: str, most_splits: int | None = None, head_dim: int | None = None) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
@@ -56,7 +59,8 @@ def _case(tmp, arch: str, most_splits: int | None = None) -> dict:
     from decoder_service.model.weights import f32_to_bf16, load_weights, to_float32
     from model_fixtures import make_tiny_model
 
-    d = make_tiny_model(tmp, arch=arch, dtype="bfloat16", seed=5)
+    d = make_tiny_model(tmp, arch=arch, dtype="bfloat16", seed=5,
+                        config_overrides={"head_dim": head_dim} if head_dim else None)
     cfg = ModelConfig.from_dir(d)
     scale = TP // 8                    # positions scale with the smallest split: 8 simulated, 64 on a GPU
     be = CudaBackend(cfg, load_weights(d, cfg, dtype="bfloat16", progress=False), KVPoolSpec(12, 4 * scale),
@@ -93,10 +97,13 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from decoder_service.model.cuda import sim_accel
+    from decoder_service.model.cuda.kernels import SIM
     from model_fixtures import backend_refusals
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:
         out = {arch: _case(Path(tmp), arch) for arch in ("llama", "qwen3")}
+        for hd in () if SIM else (72, 128):
+            out[f"qwen3, head_dim {hd}"] = _case(Path(tmp) / f"hd{hd}", "qwen3", head_dim=hd)
         out["llama, at most 3 splits"] = _case(Path(tmp) / "most", "llama", most_splits=3)
         out["refused"] = backend_refusals(Path(tmp) / "refused", "attn_splits", (0, 65))
     print("RESULT " + json.dumps(out))

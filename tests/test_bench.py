@@ -1,6 +1,7 @@
 """The benchmark's own pieces that run without a GPU: the query set the issue fixes (469 MetaTool dev
-queries: the first 279 with k=1 and all 190 with k=2, in file order) and the report, which must
-render the recorded H200 run exactly as it was written (tables and ratios come from the JSON alone)."""
+queries: the first 279 with k=1 and all 190 with k=2, in file order), the report, which must
+render the recorded H200 run exactly as it was written (tables and ratios come from the JSON alone), and
+what --merge keeps of an earlier run."""
 from __future__ import annotations
 
 import json
@@ -29,7 +30,20 @@ def test_report_renders_the_recorded_h200_run_as_written():
     md = report.markdown(res)
     assert md + "\n" == (RESULTS / "bench_h200.md").read_text()
     assert "| smollm2-135m | metatool | 7.8x | 10.2x | 28.5x |" in md
+    assert "| qwen3-1.7b | metatool | 7.6x | 6.0x | - |" in md     # that run ended before the peer's batches
     assert "**0 mismatches**" in md
+
+
+def test_a_merged_run_keeps_the_workloads_it_does_not_measure_with_the_run_they_came_from():
+    from bench.__main__ import kept_workloads
+    earlier = {"started": "then", "args": {"workloads": "metatool,sealtools"},
+               "workloads": {"metatool": {"tooltrie": 1}, "sealtools": {"tooltrie": 2}}}
+    kept = kept_workloads(earlier, {"metatool": None})
+    assert kept == {"sealtools": {"tooltrie": 2, "run": {"started": "then",
+                                                          "args": {"workloads": "metatool,sealtools"}}}}
+    again = kept_workloads({"started": "later", "args": {}, "workloads": kept}, {})
+    assert again["sealtools"]["run"]["started"] == "then"        # a workload keeps its own run through merges
+    assert kept_workloads(None, {}) == {}
 
 
 def test_report_of_a_run_without_the_peer_has_no_peer_rows_and_no_ratios(tmp_path):

@@ -26,8 +26,9 @@ Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, atte
 gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
 in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm; k_gemm_wide where K is
 long) and decode rows the GEMVs, so a step with both has two launches per matrix; attention likewise
-(k_attn_rows, and for tiles k_attn_mma on bf16 pools, k_attn_tiles otherwise): decode rows and prompt rows before position
-attn_tile_from attend one row at a time, later prompt rows in tiles of a chunk's rows.
+(k_attn_rows, and for tiles k_attn_mma or k_attn_mma_wide on bf16 pools, k_attn_tiles otherwise): decode
+rows and prompt rows before position attn_tile_from attend one row at a time, later prompt rows in tiles
+of a chunk's rows.
 """
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
 from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_KERNELS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA,
-                      MMA_HD, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP, attn_mma_shared_floats,
-                      attn_shared_floats)
+                      MMA_ATTN_KERNELS, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP,
+                      attn_mma_shared_floats, attn_shared_floats)
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 
@@ -185,9 +186,11 @@ class CudaBackend:
             self.sm_count = cuda.get_current_device().MULTIPROCESSOR_COUNT
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
-        # Prompt rows of a bf16 model (head_dim <= MMA_HD) attend in tiles on the tensor cores
-        # (k_attn_mma, MQ queries a tile; perf log m2), others in k_attn_tiles (QB queries)
-        self.mma_attn = weights.dtype == "bfloat16" and hd <= MMA_HD
+        # Prompt rows of a bf16 model (head_dim <= 128) attend in tiles on the tensor cores (k_attn_mma, or
+        # k_attn_mma_wide above head_dim 64; MQ queries a tile; perf log m2, q1), others in k_attn_tiles (QB)
+        mma_bound = min((b for b in MMA_ATTN_KERNELS if hd <= b), default=None)
+        self.mma_attn = weights.dtype == "bfloat16" and mma_bound is not None
+        tiles_kernel = MMA_ATTN_KERNELS[mma_bound] if self.mma_attn else "k_attn_tiles"
         tile_queries = MQ if self.mma_attn else QB
         self.rows_per_tile = tile_queries // (nh // nkv)   # rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
@@ -302,17 +305,17 @@ class CudaBackend:
         self._threads = {threading.get_ident()}
 
         # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
-        # (only those this model launches: the prompt tiles' kernel is k_attn_mma or k_attn_tiles)
+        # (only those this model launches: the prompt tiles' kernel is one of MMA_ATTN_KERNELS or k_attn_tiles)
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_rope_table", "k_attn_mma" if self.mma_attn else "k_attn_tiles"]
+                 "k_rope_table", tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
-        self.tile_attention = (k["k_attn_mma"], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
-            if self.mma_attn else (k["k_attn_tiles"], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
+        self.tile_attention = (k[tiles_kernel], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
+            if self.mma_attn else (k[tiles_kernel], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
         # Longer splits where a long context would cut a request's prompt into more blocks than fit
         # one wave (prompt_split; fixed per model and device, never per batch)
         self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)

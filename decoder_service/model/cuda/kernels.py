@@ -54,18 +54,12 @@ GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
 GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
-MMA_HD = 64                   # k_attn_mma: largest head_dim (registers and shared sizes; perf log m3)
+MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds: one kernel each (registers and shared sizes; perf log m3, q1)
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
-ATT_QW = MQ * MMA_HD          # k_attn_mma: q as mma words (bf16 hi + lo pairs)
 ATT_WARPS = 4                 # k_attn_mma: warps per block, each every ATT_WARPS-th 16-position block
-ATT_VT = ATT_WARPS * MMA_HD * VT_STRIDE   # k_attn_mma: the warps' V^T
-ATT_ACC = MMA_HD // 2         # k_attn_mma: a lane's output accumulators (4 per 8-dim tile)
-ATT_KW = MMA_HD // 4          # k_attn_mma: a lane's K words of a 16-position block (2 n8 tiles x 4 a chunk)
-ATT_VU = MMA_HD // MMA        # k_attn_mma: a lane's V units (8 dims of a position pair) of a block
-ATT_VW = 8 * ATT_VU           # k_attn_mma: their words
-MMA_ATTN_REGISTERS = 168     # k_attn_mma's register cap: three 128-thread blocks per SM, no spills (perf log m5)
-_MMA_ATTN_JIT = {} if SIM else {"max_registers": MMA_ATTN_REGISTERS}
+MMA_ATTN_REGISTERS = {64: 168, 128: 255}   # k_attn_mma's register caps: at 64, three 128-thread blocks an SM,
+                                           # no spills (perf log m5); at 128, none below the hardware's (q1)
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
@@ -1713,8 +1707,9 @@ def softmax_step(m, mn, a, b, c, d):
 
 
 @cuda.jit(device=True, inline="always")
-def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane):
-    """k_attn_mma's pool words for the 16-position block at pb (zeros past p_end or hd): K of positions
+def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm):
+    """k_attn_mma's pool words for the 16-position block at pb (zeros past p_end or hd; hdm is the kernel's
+    head_dim bound, a constant: the loops unroll and kw, vv stay in registers): K of positions
     pb + g and pb + 8 + g at dims 32c + 8t .. + 7 into kw[8c .. 8c+3] and kw[8c+4 .. 8c+7]; V of
     positions pb + 2pr and pb + 2pr + 1 (pr = lane % 8) at dims 8dg .. + 7 for the lane's units
     u = lane + MMA i (dg = u // 8) into vv[8i .. 8i+3] and vv[8i+4 .. 8i+7].
@@ -1730,7 +1725,7 @@ def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh
     k1 = lane_take(mine, g + 8)
     va = lane_take(mine, 2 * (lane % 8))
     vb = lane_take(mine, 2 * (lane % 8) + 1)
-    for c in range(MMA_HD // 32):
+    for c in range(hdm // 32):
         d = c * 32 + 8 * t
         w0 = w1 = w2 = w3 = u0 = u1 = u2 = u3 = z
         if c < nch and d < hd:
@@ -1740,7 +1735,7 @@ def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh
                 u0, u1, u2, u3 = ld_words(kc, k1 + d)
         kw[8 * c], kw[8 * c + 1], kw[8 * c + 2], kw[8 * c + 3] = w0, w1, w2, w3
         kw[8 * c + 4], kw[8 * c + 5], kw[8 * c + 6], kw[8 * c + 7] = u0, u1, u2, u3
-    for i in range(ATT_VU):
+    for i in range(hdm // MMA):
         u = lane + MMA * i
         dg = u // 8
         x0 = x1 = x2 = x3 = y0 = y1 = y2 = y3 = z
@@ -1754,7 +1749,7 @@ def att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh
 
 
 @cuda.jit(device=True, inline="always")
-def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane):
+def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane, hdm):
     """k_attn_mma's work on one 16-position block at pb, whose K and V words att_load put in kw, vv:
     S = q K^T by mma, positions at or past a row's n (n_a for row g, n_b for row g + 8) masked, the
     online-softmax step of (m, l) and acc, then P (hi + lo) V by mma with V staged in this warp's V^T
@@ -1762,7 +1757,7 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
     numba wraps signed ones around for negative values (instructions in every access)."""
     ninf = np.float32(-math.inf)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
-    for c in range(MMA_HD // 32):
+    for c in range(hdm // 32):
         if c < nch:
             o = np.uint32(c * 16 * MMA + lane)
             h0, h1, h2, h3 = qw[o], qw[o + MMA], qw[o + 2 * MMA], qw[o + 3 * MMA]
@@ -1801,7 +1796,7 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
     pb1, qb1 = split_bf16(s6, s7)
     # V of the 16 positions into this warp's V^T: unit u = lane + MMA i (pair lane % 8, dims 8dg ..)
     mma_sync()
-    for i in range(ATT_VU):
+    for i in range(hdm // MMA):
         u = lane + MMA * i
         if u < nj * 8:
             dg = u // 8
@@ -1812,7 +1807,7 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
                 vt[o + 2 * j * VT_STRIDE] = (x & np.uint32(0xFFFF)) | (y << np.uint32(16))
                 vt[o + (2 * j + 1) * VT_STRIDE] = (x >> np.uint32(16)) | (y & np.uint32(0xFFFF0000))
     mma_sync()
-    for j in range(MMA_HD // 8):
+    for j in range(hdm // 8):
         if j < nj:
             o = np.uint32(vw + (8 * j + g) * VT_STRIDE + t)
             b0 = vt[o]
@@ -1827,9 +1822,9 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
     return mn_a, mn_b, l_a, l_b
 
 
-@cuda.jit(cache=True, **_MMA_ATTN_JIT)
-def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group,
-               scale, out, out_stride, part, counters, maxs):
+@cuda.jit(device=True, inline="always")
+def attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale, out,
+             out_stride, part, counters, maxs, hdm, qw, vt, acc, kw, vv, kn, vn):
     """k_attn_tiles on the tensor cores (bf16 pool): the same grid, tiles, splits and split merge, for
     MQ queries a tile (MQ // group rows x the KV head's query heads).
 
@@ -1843,10 +1838,10 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     partial goes where k_attn_tiles puts it and merge_splits finishes. A query's arithmetic depends on
     its position and the pool alone (the 16-position blocks and the warp that takes each are fixed by
     absolute position), never on its tile mates, the tile it lands in or the batch.
-    Block: ATT_WARPS * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs)."""
-    pdl_enter()
-    qw = cuda.shared.array(ATT_QW, nb_u32)
-    vt = cuda.shared.array(ATT_VT, nb_u32)
+    Block: ATT_WARPS * MMA threads. Dynamic shared: attn_mma_shared_floats(hd, maxs). hdm: the kernel's
+    head_dim bound (MMA_HDS), a constant: the loops over dims unroll and the lane's accumulators and K/V
+    words (acc, kw, vv, kn, vn: hdm / 2, hdm / 4 each) stay in registers; q words (qw, MQ hdm) and
+    the warps' V^T (vt, ATT_WARPS hdm VT_STRIDE) are the block's shared arrays."""
     sh = cuda.shared.array(0, nb_f32)
     flag = cuda.shared.array(1, nb_i32)
     tile = cuda.blockIdx.x
@@ -1901,28 +1896,23 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     m_b = ninf
     l_a = np.float32(0.0)
     l_b = np.float32(0.0)
-    acc = cuda.local.array(ATT_ACC, nb_f32)       # O: dim tile j's C fragment at 4j .. 4j+3
-    for i in range(ATT_ACC):
+    for i in range(hdm // 2):                    # O: dim tile j's C fragment at 4j .. 4j+3
         acc[i] = np.float32(0.0)
     nj = hd // 8
-    vw = w * MMA_HD * VT_STRIDE
+    vw = w * hdm * VT_STRIDE
     # the block's K and V words in registers, the next block's loads issued before this one's mmas;
     # the two register sets take turns (no copies between them)
-    kw = cuda.local.array(ATT_KW, nb_u32)
-    vv = cuda.local.array(ATT_VW, nb_u32)
-    kn = cuda.local.array(ATT_KW, nb_u32)
-    vn = cuda.local.array(ATT_VW, nb_u32)
     step = 16 * ATT_WARPS
     pb = p_begin + 16 * w
-    att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
+    att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
     while pb < p_end:
-        att_load(kn, vn, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
-        m_a, m_b, l_a, l_b = att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane)
+        att_load(kn, vn, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
+        m_a, m_b, l_a, l_b = att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane, hdm)
         pb += step
         if pb >= p_end:
             break
-        att_load(kw, vv, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane)
-        m_a, m_b, l_a, l_b = att_block(kn, vn, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane)
+        att_load(kw, vv, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
+        m_a, m_b, l_a, l_b = att_block(kn, vn, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane, hdm)
         pb += step
     # the warps' states into shared: max and sum at [w * MQ + q] and [ATT_WARPS MQ + w * MQ + q], acc after
     # (unsigned indices, as in att_block)
@@ -1934,7 +1924,7 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
         sh[np.uint32(ATT_WARPS * MQ + w * MQ + qb)] = l_b
     sa = np.uint32(ao + (w * MQ + qa) * hd + 2 * t)
     sb = np.uint32(ao + (w * MQ + qb) * hd + 2 * t)
-    for j in range(MMA_HD // 8):
+    for j in range(hdm // 8):
         if j < nj:
             sh[sa + 8 * j], sh[sa + 8 * j + 1] = acc[4 * j], acc[4 * j + 1]
             sh[sb + 8 * j], sh[sb + 8 * j + 1] = acc[4 * j + 2], acc[4 * j + 3]
@@ -1983,6 +1973,25 @@ def k_attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_o
     cuda.syncthreads()   # the warps' states are read: merge_splits may reuse the shared memory
     merge_splits(sh, 0, MQ * maxs, part, counters, flag, positions, out, out_stride, r0, nq, group, kvh, nkv, hd,
                  split, maxs, tile, ns, qi, sub, active, n_q, rb, tid, T)
+
+
+def _attn_mma_kernel(hdm: int):
+    """k_attn_mma for head_dim up to hdm: attn_mma with its shared and local arrays sized for hdm."""
+    qwn, vtn, accn, kwn = MQ * hdm, ATT_WARPS * hdm * VT_STRIDE, hdm // 2, hdm // 4
+
+    def kernel(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
+               out, out_stride, part, counters, maxs):
+        """Prompt attention on the tensor cores for head_dim <= hdm (attn_mma)."""
+        pdl_enter()
+        attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off, bs, nkv, hd, group, scale,
+                 out, out_stride, part, counters, maxs, hdm,
+                 cuda.shared.array(qwn, nb_u32), cuda.shared.array(vtn, nb_u32), cuda.local.array(accn, nb_f32),
+                 cuda.local.array(kwn, nb_u32), cuda.local.array(kwn, nb_u32),
+                 cuda.local.array(kwn, nb_u32), cuda.local.array(kwn, nb_u32))
+    return cuda.jit(cache=True, **({} if SIM else {"max_registers": MMA_ATTN_REGISTERS[hdm]}))(kernel)
+
+
+k_attn_mma, k_attn_mma_wide = (_attn_mma_kernel(hdm) for hdm in MMA_HDS)
 
 
 def attn_mma_shared_floats(hd: int, maxs: int) -> int:
@@ -2074,6 +2083,7 @@ def signatures(storage: str) -> dict:
     ai, W = _arr(t.int32), _arr(st)
     gemv = (f32, i32, ai, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
     gemm = (f32, i32, f32, t.float32, i32, W, i32, i32, i32, f32, i32, f32, i32, i32, i32, i32)
+    attn = (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32, f32, ai, i32)
     return {
         "k_embed": (ai, W, i32, f32, i32),
         "k_gemv": gemv + (ai, ai, ai, i32, W, W, i64, i32, i32, i32, f32),
@@ -2081,21 +2091,19 @@ def signatures(storage: str) -> dict:
         "k_rope_kv": (f32, i32, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, f32, f32, f32, i32,
                       i32, t.float32),
         "k_rope_table": (f64, i32, i32, f32),
-        "k_attn_rows": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32, i32,
-                        f32, ai, i32),
-        "k_attn_tiles": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32,
-                         i32, f32, ai, i32),
+        "k_attn_rows": attn,
+        "k_attn_tiles": attn,
         "k_final_norm": (f32, i32, ai, f32, t.float32, i32, i32, f32, i32),
         "k_sparse": (f32, i32, W, i32, i32, ai, ai, i32, f32, i32, i32),
         **({"k_gemm": gemm,
             "k_gemm_wide": gemm,
-            "k_attn_mma": (f32, i32, ai, ai, ai, ai, i32, W, W, i64, i32, i32, i32, i32, t.float32, f32,
-                           i32, f32, ai, i32)} if storage == "bfloat16" else {}),
+            "k_attn_mma": attn, "k_attn_mma_wide": attn} if storage == "bfloat16" else {}),
     }
 
 
 KERNELS = {"k_embed": k_embed, "k_gemv": k_gemv, "k_gemv_tile": k_gemv_tile, "k_rope_kv": k_rope_kv,
            "k_rope_table": k_rope_table, "k_attn_rows": k_attn_rows, "k_attn_tiles": k_attn_tiles,
            "k_final_norm": k_final_norm, "k_sparse": k_sparse, "k_gemm": k_gemm, "k_gemm_wide": k_gemm_wide,
-           "k_attn_mma": k_attn_mma}
+           "k_attn_mma": k_attn_mma, "k_attn_mma_wide": k_attn_mma_wide}
 GEMM_KERNELS = {GEMM_WARPS: "k_gemm", GEMM_MAX_WARPS: "k_gemm_wide"}   # the prompt GEMM by its warps a block
+MMA_ATTN_KERNELS = dict(zip(MMA_HDS, ("k_attn_mma", "k_attn_mma_wide")))   # prompt attention by head_dim bound

@@ -134,9 +134,11 @@ class Kernel:
             check(drv.cuFuncSetAttribute(self.func, attr, carve), f"cuFuncSetAttribute({name})")
 
     def occupancy(self, block: int, shmem: int) -> int:
-        """Resident blocks per SM for this block size and dynamic shared memory."""
+        """Resident blocks per SM for this block size and dynamic shared memory (opted into first: asked
+        before a launch allows it, the driver counts none; perf log q1)."""
         if SIM:
             return 2
+        self.allow_dynamic_shared(shmem)
         return int(check(drv.cuOccupancyMaxActiveBlocksPerMultiprocessor(self.func, block, shmem),
                          f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})"))
 
