@@ -45,7 +45,8 @@ def _assert(result: dict, gpu: bool = False) -> None:
         assert r["kernel"] == ("k_attn_mma_wide" if "head_dim" in arch else "k_attn_mma"), r
         assert r["rel"] < TOLERANCE, (arch, r)
         assert r["cut_invariant"], (arch, r)
-    assert result["llama"]["splits"] == [1]
+    for name in ("llama", "qwen3", *wide):   # the split rule's wave fits every row's context in TP splits
+        assert result[name]["splits"] == [1], (name, result[name])   # (k_attn_mma_wide's 65 KB: perf log q1)
     assert result["llama, at most 3 splits"]["splits"] == [1, 2]
 
 

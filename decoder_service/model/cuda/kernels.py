@@ -54,7 +54,7 @@ GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
 GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
-MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds: one kernel each (registers and shared sizes; perf log m3, q1)
+MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds, a kernel each (registers, shared sizes; perf log m3, q1)
 MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_WARPS = 4                 # k_attn_mma: warps per block, each every ATT_WARPS-th 16-position block
@@ -1906,13 +1906,17 @@ def attn_mma(qkv, qkv_stride, positions, tiles, slots, bt, mb, kc, vc, layer_off
     pb = p_begin + 16 * w
     att_load(kw, vv, kc, vc, bt, mb, slot, pb, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
     while pb < p_end:
-        att_load(kn, vn, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
-        m_a, m_b, l_a, l_b = att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane, hdm)
+        att_load(kn, vn, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane,
+                 hdm)
+        m_a, m_b, l_a, l_b = att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane,
+                                       hdm)
         pb += step
         if pb >= p_end:
             break
-        att_load(kw, vv, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane, hdm)
-        m_a, m_b, l_a, l_b = att_block(kn, vn, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane, hdm)
+        att_load(kw, vv, kc, vc, bt, mb, slot, pb + step, p_end, bs, layer_off, rowlen, kvh, hd, nch, nj, g, t, lane,
+                 hdm)
+        m_a, m_b, l_a, l_b = att_block(kn, vn, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw, g, t, lane,
+                                       hdm)
         pb += step
     # the warps' states into shared: max and sum at [w * MQ + q] and [ATT_WARPS MQ + w * MQ + q], acc after
     # (unsigned indices, as in att_block)
