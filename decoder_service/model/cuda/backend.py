@@ -314,8 +314,9 @@ class CudaBackend:
         self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         k = self.kernels
-        self.tile_attention = (k[tiles_kernel], ATT_WARPS * MMA, attn_mma_shared_floats(hd, MAX_SPLITS) * 4) \
-            if self.mma_attn else (k[tiles_kernel], QB * TQ, attn_shared_floats(hd, MAX_SPLITS) * 4)
+        block, shared_floats = (ATT_WARPS * MMA, attn_mma_shared_floats) if self.mma_attn \
+            else (QB * TQ, attn_shared_floats)
+        self.tile_attention = (k[tiles_kernel], block, shared_floats(hd, MAX_SPLITS) * 4)
         # Longer splits where a long context would cut a request's prompt into more blocks than fit
         # one wave (prompt_split; fixed per model and device, never per batch)
         self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)
