@@ -1,13 +1,14 @@
 """A fingerprint of the CUDA forward pass: sha256 of the dense logits of fixed batches (CUDA only).
 
-    python3 bench/logits_hash.py
+    python3 bench/logits_hash.py [--shape qwen3-1.7b]
 
-Random bf16 weights (seed 1) at the SmolLM2 shape, random K/V in the pool (seed 5), and every row of
+Random bf16 weights (seed 1) at the SmolLM2 shape (or --shape's), random K/V in the pool (seed 5), and every row of
 each batch gets logits, so every GEMV, attention kernel and head output feeds the hash. Run it on two
 checkouts: equal hashes say a kernel change is bit-identical to the path it replaces (perf log g1, a3).
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import hashlib
 import sys
@@ -27,7 +28,11 @@ CASES = [("prefill", 71, PREFIX), ("prefill", 96, 20), ("prefill", 3, PREFIX + 1
 
 
 def main() -> None:
-    cfg = ModelConfig.from_dict(MODELS["smollm2-135m"], "smollm2-135m")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(MODELS),
+                    help="model shape; Qwen3-1.7B's head_dim 128 takes the wide attention kernels")
+    shape = ap.parse_args().shape
+    cfg = ModelConfig.from_dict(MODELS[shape], shape)
     max_r = max(r for _, r, _ in CASES)
     be, per_seq = sized_backend(cfg, max_r, PREFIX + 100 + max_r, spare=2)
     rng = np.random.default_rng(5)
