@@ -30,7 +30,8 @@ def test_report_renders_the_recorded_h200_run_as_written():
     md = report.markdown(res)
     assert md + "\n" == (RESULTS / "bench_h200.md").read_text()
     assert "| smollm2-135m | metatool | 7.8x | 10.2x | 28.5x |" in md
-    assert "| qwen3-1.7b | metatool | 7.6x | 6.0x | - |" in md     # that run ended before the peer's batches
+    assert "| qwen3-1.7b | metatool | 7.3x | 5.9x | - |" in md     # that run ended before the peer's batches
+    assert "| qwen3-1.7b | sealtools | 2.3x | 3.3x | 4.8x |" in md
     assert "**0 mismatches**" in md
 
 
