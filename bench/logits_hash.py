@@ -2,9 +2,10 @@
 
     python3 bench/logits_hash.py [--shape qwen3-1.7b]
 
-Random bf16 weights (seed 1) at the SmolLM2 shape (or --shape's), random K/V in the pool (seed 5), and every row of
-each batch gets logits, so every GEMV, attention kernel and head output feeds the hash. Run it on two
-checkouts: equal hashes say a kernel change is bit-identical to the path it replaces (perf log g1, a3).
+Random bf16 weights (seed 1) at the SmolLM2 shape (or --shape's; the cases' positions stay SmolLM2's),
+random K/V in the pool (seed 5), and every row of each batch gets logits, so every GEMV, attention kernel
+and head output feeds the hash. Run it on two checkouts: equal hashes say a kernel change is bit-identical
+to the path it replaces (perf log g1, a3, q2).
 """
 from __future__ import annotations
 
