@@ -28,18 +28,24 @@ def _batch_qps(peer: dict) -> float | None:
     return next((v["qps"] for k, v in peer.items() if k.startswith("batch_")), None)
 
 
+def _workloads(res: dict):
+    """(shape, its entry, workload, its entry) in the report's order: shapes as run, workloads by name."""
+    for shape, e in res["shapes"].items():
+        for name, w in sorted(e["workloads"].items()):
+            yield shape, e, name, w
+
+
 def markdown(res: dict) -> str:
     lines = [f"# tooltrie against the PyTorch peer: {res['device']}, {res['started']}", "",
              f"Copy bandwidth measured in the last run: {res['copy_bandwidth_gbs']:.0f} GB/s. The runs "
              f"(`python3 -m bench` with these arguments; `--merge` adds shapes or workloads to an earlier run; "
              f"a shape's decode-step table is its latest run's):", ""]
     runs = {}
-    for shape, e in res["shapes"].items():
-        for name, w in sorted(e["workloads"].items()):
-            run = w.get("run", {})
-            key = (run.get("started", e.get("started", res["started"])),
-                   json.dumps(run.get("args", e.get("args", res["args"]))))
-            runs.setdefault(key, []).append(f"{shape} / {name}")
+    for shape, e, name, w in _workloads(res):
+        run = w.get("run", {})
+        key = (run.get("started", e.get("started", res["started"])),
+               json.dumps(run.get("args", e.get("args", res["args"]))))
+        runs.setdefault(key, []).append(f"{shape} / {name}")
     lines += [f"- {', '.join(what)}, {started}: {args}" for (started, args), what in runs.items()] + [""]
     steps = [(shape, e) for shape, e in res["shapes"].items() if e.get("step")]
     if steps:
@@ -62,37 +68,35 @@ def markdown(res: dict) -> str:
               "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",
               "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     speedups = []
-    for shape, e in res["shapes"].items():
-        for name, w in sorted(e["workloads"].items()):
-            t, peer = w["tooltrie"], w.get("peer")
-            c1 = t["concurrency_1"]
-            step1 = next((s["constrained_us"] for s in e.get("step", []) if s["rows"] == 1), None)
-            lines.append(f"| {shape} | {name} | tooltrie | {t['warmup_s']:.2f} | {c1['p50_ms']:.1f} | "
-                         f"{c1['p90_ms']:.1f} | {c1['p99_ms']:.1f} | {c1['ttfp']['p50_ms']:.1f} | "
-                         f"{c1['tokens_per_answer']:.1f} | {step1 if step1 is not None else '-'} | "
-                         f"{t['all_at_once']['qps']:.1f} | {w['queries'] - t['exactly_k']} |")  # not k distinct
-            if peer:
-                p1 = peer["concurrency_1"]
-                qps = _batch_qps(peer)       # None where the run ended before the peer's batches
-                lines.append(f"| {shape} | {name} | peer | {p1['warmup_s']:.2f} | {p1['p50_ms']:.1f} | "
-                             f"{p1['p90_ms']:.1f} | {p1['p99_ms']:.1f} | {p1['ttfp']['p50_ms']:.1f} | "
-                             f"{p1['tokens_per_answer']:.1f} | {p1['decode_step_us']:.0f} | "
-                             f"{'-' if qps is None else f'{qps:.1f}'} | {p1['repeats']} |")
-                speedups.append(f"| {shape} | {name} | {_ratio(p1['p50_ms'], c1['p50_ms'])} | "
-                                f"{_ratio(p1['p90_ms'], c1['p90_ms'])} | "
-                                f"{_ratio(t['all_at_once']['qps'], qps)} |")
+    for shape, e, name, w in _workloads(res):
+        t, peer = w["tooltrie"], w.get("peer")
+        c1 = t["concurrency_1"]
+        step1 = next((s["constrained_us"] for s in e.get("step", []) if s["rows"] == 1), None)
+        lines.append(f"| {shape} | {name} | tooltrie | {t['warmup_s']:.2f} | {c1['p50_ms']:.1f} | "
+                     f"{c1['p90_ms']:.1f} | {c1['p99_ms']:.1f} | {c1['ttfp']['p50_ms']:.1f} | "
+                     f"{c1['tokens_per_answer']:.1f} | {step1 if step1 is not None else '-'} | "
+                     f"{t['all_at_once']['qps']:.1f} | {w['queries'] - t['exactly_k']} |")  # not k distinct
+        if peer:
+            p1 = peer["concurrency_1"]
+            qps = _batch_qps(peer)       # None where the run ended before the peer's batches
+            lines.append(f"| {shape} | {name} | peer | {p1['warmup_s']:.2f} | {p1['p50_ms']:.1f} | "
+                         f"{p1['p90_ms']:.1f} | {p1['p99_ms']:.1f} | {p1['ttfp']['p50_ms']:.1f} | "
+                         f"{p1['tokens_per_answer']:.1f} | {p1['decode_step_us']:.0f} | "
+                         f"{'-' if qps is None else f'{qps:.1f}'} | {p1['repeats']} |")
+            speedups.append(f"| {shape} | {name} | {_ratio(p1['p50_ms'], c1['p50_ms'])} | "
+                            f"{_ratio(p1['p90_ms'], c1['p90_ms'])} | "
+                            f"{_ratio(t['all_at_once']['qps'], qps)} |")
     lines.append("")
     if speedups:
         lines += ["## tooltrie's speed-up over the peer", "",
                   "| shape | workload | p50, concurrency 1 | p90, concurrency 1 | queries/s, all at once |",
                   "| --- | --- | --- | --- | --- |", *speedups, ""]
-    for shape, e in res["shapes"].items():
-        for name, w in sorted(e["workloads"].items()):
-            d = w["tooltrie"].get("determinism")
-            if d:
-                lines += ["## Determinism", "",
-                          f"{shape} / {name}: {d['batches']} random shuffled batches, {d['requests']} answers "
-                          f"compared bit for bit with the same query alone: **{d['mismatches']} mismatches**.", ""]
+    for shape, _, name, w in _workloads(res):
+        d = w["tooltrie"].get("determinism")
+        if d:
+            lines += ["## Determinism", "",
+                      f"{shape} / {name}: {d['batches']} random shuffled batches, {d['requests']} answers "
+                      f"compared bit for bit with the same query alone: **{d['mismatches']} mismatches**.", ""]
     return "\n".join(lines)
 
 
@@ -104,13 +108,12 @@ def chart(res: dict, path: Path) -> bool:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     labels, ours, peers = [], [], []
-    for shape, e in res["shapes"].items():
-        for name, w in sorted(e["workloads"].items()):
-            labels.append(f"{shape}\n{name}")
-            t, p = w["tooltrie"], w.get("peer")
-            ours.append((t["concurrency_1"]["p50_ms"], t["concurrency_1"]["p90_ms"], t["all_at_once"]["qps"]))
-            peers.append((p["concurrency_1"]["p50_ms"], p["concurrency_1"]["p90_ms"], _batch_qps(p)) if p
-                         else (None, None, None))
+    for shape, _, name, w in _workloads(res):
+        labels.append(f"{shape}\n{name}")
+        t, p = w["tooltrie"], w.get("peer")
+        ours.append((t["concurrency_1"]["p50_ms"], t["concurrency_1"]["p90_ms"], t["all_at_once"]["qps"]))
+        peers.append((p["concurrency_1"]["p50_ms"], p["concurrency_1"]["p90_ms"], _batch_qps(p)) if p
+                     else (None, None, None))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     x = range(len(labels))
     for ax, i, title in zip(axes, range(3), ("per query p50, concurrency 1 (ms)",
