@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 
+from shared.bm25 import Bm25Index, tool_terms
 from shared.catalog import Catalog, CatalogError
 from shared.prompt import PromptTemplate, default_template
 from shared.tokenizer import ModelTokenizer
@@ -49,17 +50,30 @@ def check_prompt_text(catalog: Catalog, tok: ModelTokenizer) -> None:
                                    f"token {hit!r}")
 
 
+def tool_description(tool) -> str:
+    """What the prompt says of a tool: its description, then its examples."""
+    if not tool.examples:
+        return tool.description
+    return f"{tool.description} (e.g. " + "; ".join(" ".join(x.split()) for x in tool.examples) + ")"
+
+
 def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
     """Compile a validated catalog into a trie whose metadata holds everything the decoder needs."""
     started = time.perf_counter()
     check_prompt_text(catalog, tok)
     if template is None:
-        template = default_template(catalog, *tok.chat_format())
+        template = default_template(*tok.chat_format())
     sep_id = tok.single_token(template.separator, "separator")
     stop_id = tok.single_token(template.stop_token, "stop token")
     names = catalog.names
     trie = build_trie(tokenize_names(names, tok, template.separator, sep_id), names, sep_id, stop_id)
+    by_name = {t.name: t for t in catalog.tools}
+    tools = [by_name[n] for n in trie.pointer_names]   # in pointer-id order, as the decoder indexes them
+    index = Bm25Index.build([tool_terms(t.name, t.description) for t in tools])
+    trie.extra.update({f"bm25_{a}": getattr(index, a) for a in Bm25Index.ARRAYS})
     trie.meta.update({
+        "descriptions": [tool_description(t) for t in tools],
+        "bm25_terms": index.terms,
         "content_hash": catalog.content_hash_with(template, tok.hash),
         "tokenizer_hash": tok.hash,
         "prompt": template.to_json(),

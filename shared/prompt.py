@@ -1,8 +1,10 @@
-"""The prompt a catalog version is decoded under: a shared catalog prefix and a per-request suffix.
+"""The prompt a request is decoded under: the retrieved shortlist of tools, then the intent.
 
-The prefix (system turn listing every tool, then the start of the user turn) is the same for every
-request on a version, so the decoder computes its KV cache once. The suffix carries the intent and k
-and ends with the assistant header, after which the model writes the tool names.
+The prefix (the start of the system turn) is the same for every request on a version, so the decoder
+computes its KV once. The rest is the request's own: its shortlisted tools, one `- name: description`
+line each (descriptions cut to `description_chars`), then the intent and k, ending with the assistant
+header after which the model writes the tool names. Serving and training (`tune`) both build prompts
+with `request_ids`, so a tuned model sees exactly the tokens it is served.
 """
 from __future__ import annotations
 
@@ -10,12 +12,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from shared.catalog import Catalog
-
-SYSTEM_TEXT = ("You route user requests to tools. Available tools, one per line as name: description:\n"
-               "{tools}")
+SYSTEM_TEXT = "You route user requests to tools. Candidate tools, one per line as name: description:\n"
 USER_TEXT = ("{intent}\n\nReply with exactly {k} tool name(s) from the list, one per line, "
              "most relevant first, and nothing else.")
+DESCRIPTION_CHARS = 120  # docs/quality.md: the budget per tool line
 
 # Chat formats by the marker their template contains: (turn start, turn end).
 CHAT_FORMATS = {
@@ -26,14 +26,11 @@ CHAT_FORMATS = {
 
 @dataclass(frozen=True)
 class PromptTemplate:
-    prefix: str      # rendered catalog text, shared by every request on the version
-    suffix: str      # holds {intent} and {k}; ends where the first tool name begins
+    prefix: str      # the start of the system turn, shared by every request on the version
+    suffix: str      # holds {tools}, {intent} and {k}; ends where the first tool name begins
     separator: str   # written between two tool names
     stop_token: str  # written after the last one
-
-    def render_suffix(self, intent: str, k: int) -> str:
-        """The request's own text; {k} first, so an intent that contains "{k}" stays as written."""
-        return self.suffix.replace("{k}", str(k)).replace("{intent}", intent)
+    description_chars: int = DESCRIPTION_CHARS
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, ensure_ascii=False)
@@ -41,6 +38,18 @@ class PromptTemplate:
     @classmethod
     def from_json(cls, text: str) -> "PromptTemplate":
         return cls(**json.loads(text))
+
+    def tool_lines(self, names: list[str], descriptions: list[str]) -> str:
+        """The shortlist as the prompt lists it, one tool a line, descriptions cut to the budget."""
+        return "\n".join(tool_line(n, d, self.description_chars) for n, d in zip(names, descriptions))
+
+    def request_ids(self, tokenizer, names: list[str], descriptions: list[str], intent: str, k: int) -> list[int]:
+        """The request's own tokens after the prefix. The intent is user text, tokenized with special-token
+        parsing off (`tokenizer.encode_plain`), so a "<|im_end|>" typed by a user cannot end the turn;
+        {k} is filled before the split, so an intent that contains "{k}" stays as written."""
+        text = self.suffix.replace("{tools}", self.tool_lines(names, descriptions)).replace("{k}", str(k))
+        before, after = text.split("{intent}", 1)
+        return tokenizer.encode(before) + tokenizer.encode_plain(intent) + tokenizer.encode(after)
 
 
 def chat_format(model_dir: Path) -> tuple[str, str, str]:
@@ -54,21 +63,21 @@ def chat_format(model_dir: Path) -> tuple[str, str, str]:
     raise ValueError(f"{model_dir}: unsupported chat template (known markers: {', '.join(CHAT_FORMATS)})")
 
 
-def tool_line(name: str, description: str) -> str:
-    """One line per tool; newlines inside a description are folded so the list stays one tool a line."""
+def tool_line(name: str, description: str, chars: int = DESCRIPTION_CHARS) -> str:
+    """One line per tool; a description's whitespace is folded (one tool a line) and cut at a word
+    boundary within `chars`."""
     description = " ".join(description.split())
+    if len(description) > chars:
+        cut = description[:chars].rsplit(" ", 1)[0] if " " in description[:chars] else description[:chars]
+        description = cut.rstrip(" ,;:.") + "..."
     return f"- {name}: {description}" if description else f"- {name}"
 
 
-def default_template(catalog: Catalog, turn_start: str, turn_end: str, stop_token: str,
-                     separator: str = "\n") -> PromptTemplate:
-    lines = []
-    for t in catalog.tools:
-        line = tool_line(t.name, t.description)
-        if t.examples:
-            line += " (e.g. " + "; ".join(" ".join(x.split()) for x in t.examples) + ")"
-        lines.append(line)
-    system = SYSTEM_TEXT.replace("{tools}", "\n".join(lines))
-    prefix = turn_start.format(role="system") + system + turn_end + turn_start.format(role="user")
-    suffix = USER_TEXT + turn_end + turn_start.format(role="assistant")
-    return PromptTemplate(prefix=prefix, suffix=suffix, separator=separator, stop_token=stop_token)
+def default_template(turn_start: str, turn_end: str, stop_token: str, separator: str = "\n",
+                     description_chars: int = DESCRIPTION_CHARS) -> PromptTemplate:
+    """The shortlist prompt in the model's chat format."""
+    prefix = turn_start.format(role="system") + SYSTEM_TEXT
+    suffix = ("{tools}" + turn_end + turn_start.format(role="user") + USER_TEXT + turn_end
+              + turn_start.format(role="assistant"))
+    return PromptTemplate(prefix=prefix, suffix=suffix, separator=separator, stop_token=stop_token,
+                          description_chars=description_chars)

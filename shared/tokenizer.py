@@ -38,6 +38,16 @@ class ModelTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
+    @cached_property
+    def _plain(self) -> Tokenizer:
+        plain = Tokenizer.from_str(self.tokenizer.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    def encode_plain(self, text: str) -> list[int]:
+        """User text: a special token's spelling stays text ("<|im_end|>" typed by a user cannot end a turn)."""
+        return self._plain.encode(text, add_special_tokens=False).ids
+
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
 

@@ -37,7 +37,8 @@ class Trie:
     pointer_names: list[str]     # by pointer id
     sep_id: int
     stop_id: int
-    meta: dict = field(default_factory=dict)  # catalog name, version, hashes, prompt, stats
+    meta: dict = field(default_factory=dict)  # catalog name, version, hashes, prompt, descriptions, stats
+    extra: dict = field(default_factory=dict)  # more arrays of the version (the BM25 index), stored as they are
 
     @property
     def num_nodes(self) -> int:
@@ -101,7 +102,8 @@ class Trie:
         meta = {"format": FORMAT, "pointer_names": json.dumps(self.pointer_names, ensure_ascii=False),
                 "sep_id": str(self.sep_id), "stop_id": str(self.stop_id),
                 "meta": json.dumps(self.meta, ensure_ascii=False, sort_keys=True)}
-        return st_save({a: np.ascontiguousarray(getattr(self, a), dtype=np.int32) for a in ARRAYS}, meta)
+        arrays = {a: np.ascontiguousarray(getattr(self, a), dtype=np.int32) for a in ARRAYS}
+        return st_save({**arrays, **{k: np.ascontiguousarray(v) for k, v in self.extra.items()}}, meta)
 
     @classmethod
     def from_blob(cls, blob: bytes) -> "Trie":
@@ -110,7 +112,8 @@ class Trie:
             raise ValueError(f"not a tooltrie trie blob (format {meta.get('format')!r}, expected {FORMAT!r})")
         arrays = st_load(blob)
         return cls(**{a: arrays[a] for a in ARRAYS}, pointer_names=json.loads(meta["pointer_names"]),
-                   sep_id=int(meta["sep_id"]), stop_id=int(meta["stop_id"]), meta=json.loads(meta["meta"]))
+                   sep_id=int(meta["sep_id"]), stop_id=int(meta["stop_id"]), meta=json.loads(meta["meta"]),
+                   extra={k: v for k, v in arrays.items() if k not in ARRAYS})
 
 
 def read_blob_metadata(blob: bytes) -> dict:

@@ -1,0 +1,50 @@
+"""The labelled tool-discovery data sets beside the repository, and the fixed validation split.
+
+A query is in the validation split iff a stable hash of its normalised text says so (about 25%):
+`tune` never trains on it and `make quality` reports on it. The rule is written down in docs/quality.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from shared.config import REPO_ROOT
+
+DATA_DIR = REPO_ROOT.parent / "shared" / "data"
+SETS = {"metatool": "MetaTool", "toolbench": "StableToolBench", "bigcatalog": "Seal-Tools"}
+VALIDATION_PERCENT = 25
+
+
+def normalise(query: str) -> str:
+    return " ".join(query.split()).casefold()
+
+
+def is_validation(query: str) -> bool:
+    """The fixed split: sha256 of "valid:" + the normalised query, its first 8 hex digits mod 100 < 25."""
+    digest = hashlib.sha256(("valid:" + normalise(query)).encode("utf-8")).hexdigest()
+    return int(digest[:8], 16) % 100 < VALIDATION_PERCENT
+
+
+@dataclass(frozen=True)
+class Query:
+    text: str
+    tools: tuple[str, ...]   # the gold tool names; k = len(tools)
+
+
+def catalog_path(name: str, data_dir: Path = DATA_DIR) -> Path:
+    return Path(data_dir) / name / "catalog.json"
+
+
+def queries(name: str, split: str = "all", data_dir: Path = DATA_DIR) -> list[Query]:
+    """A set's labelled queries: split "train" (never validation), "validation", or "all"."""
+    if split not in ("train", "validation", "all"):
+        raise ValueError(f"split must be train, validation or all, got {split!r}")
+    out = []
+    with open(Path(data_dir) / name / "dev_queries.jsonl", encoding="utf-8") as f:
+        for line in f:
+            q = json.loads(line)
+            if split == "all" or is_validation(q["query"]) == (split == "validation"):
+                out.append(Query(q["query"], tuple(q["tools"])))
+    return out
