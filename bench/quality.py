@@ -1,82 +1,169 @@
-"""Answer quality on a shared data set: recall of the gold tools among the k returned.
+"""Answer quality: recall@k and exact-set of the retrievers and of tooltrie's answers, in one run.
 
-    .venv/bin/python -m bench.quality --set metatool --queries 100 [--prompt full|short|names] [--backend cpu]
+    .venv/bin/python -m bench.quality [--split validation] [--sample 100] [--weights 1000] [--backend auto]
 
-Runs the engine in-process (no services), the catalog compiled with the default prompt template,
-every dev query with k = its number of gold tools. --prompt lists each tool with its full description
-(the default), with the description cut to 60 characters, or by name alone. Prints recall, the share of answers that are
-exactly k distinct catalog names (must be 100%), and writes bench/results/quality_<set>.json.
+For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
+(shared/dataset.py; `--split train` to choose settings, never validation): BM25 top-k, the dense encoder's
+cosine top-k, their fusion (the decoder's retriever), the share of gold tools within the shortlist (the
+ceiling of any answer drawn from it), and tooltrie's answers through the engine (the shortlist in the
+prompt, the generator constrained to it, the answer's order fused with retrieval at each --weights value).
+k is each query's number of gold tools. Prints a markdown table with rows per k and writes
+bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0: all).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import time
+from collections import defaultdict
 from pathlib import Path
 
-from bench.workload import data_dir
+import numpy as np
+
 from compiler_service.compiler import compile_catalog
-from decoder_service.engine.engine import DecodeEngine
-from decoder_service.engine.sequence import DoneEvent, FailedEvent
+from decoder_service.encoder import load_encoder
+from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from shared.catalog import Catalog, parse_registry
-from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT
+from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, tool_texts, top_n, \
+    vectors_blob, vectors_from_blob
+from decoder_service.server import device_name
+from shared import dataset
+from shared.catalog import parse_registry
+from shared.config import DEFAULT_ENCODER_DIR, DEFAULT_MODEL_DIR, REPO_ROOT
 from shared.tokenizer import ModelTokenizer
 
-# How each tool's description appears in the catalog prompt.
-PROMPTS = {"full": lambda d: d, "short": lambda d: d[:60], "names": lambda d: ""}
+
+def sample(queries: list, n: int) -> list:
+    """Every m-th query so that about n remain (a fixed, spread-out sample); all when n is 0."""
+    if not n or n >= len(queries):
+        return queries
+    return queries[::-(-len(queries) // n)]
+
+
+def score(answers: list[list[str]], queries: list) -> dict:
+    """recall@k (gold tools found over gold tools) and exact-set (answers equal to the gold set)."""
+    hits = sum(len(set(a) & set(q.tools)) for a, q in zip(answers, queries))
+    gold = sum(len(q.tools) for q in queries)
+    exact = sum(set(a) == set(q.tools) for a, q in zip(answers, queries))
+    return {"recall": hits / gold, "exact": exact / len(queries)}
+
+
+def k_group(k: int) -> str:
+    return str(k) if k < 4 else "4+"
+
+
+class Harness:
+    """The model, its engine per fusion weight, and the encoder: loaded once for every data set."""
+
+    def __init__(self, model_dir, encoder_dir, backend: str):
+        self.kind = resolve_backend(backend)
+        cfg = ModelConfig.from_dir(model_dir)
+        self.spec = KVPoolSpec.from_tokens(65536)
+        self.backend = make_backend(cfg, load_weights(model_dir, cfg, weights_dtype(self.kind, cfg)), self.spec,
+                                    self.kind)
+        self.cfg, self.tok = cfg, ModelTokenizer(model_dir)
+        self.encoder = load_encoder(encoder_dir, self.kind)
+
+    def engine(self, weight: float) -> DecodeEngine:
+        return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
+                            self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
+
+    def run(self, name: str, split: str, n: int, weights: list[float]) -> dict:
+        trie = compile_catalog(parse_registry(dataset.catalog_path(name).read_text()), self.tok)
+        trie.meta.update(name=name, version=1)
+        started = time.perf_counter()
+        blob = vectors_blob(self.encoder.encode(tool_texts(trie)), trie.meta["content_hash"], self.encoder.digest)
+        vectors = vectors_from_blob(blob, trie, self.encoder.digest, self.encoder.dim)
+        vectors_s = time.perf_counter() - started
+        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder)
+        queries = sample(dataset.queries(name, split), n)
+        names = trie.pointer_names
+        lists = defaultdict(list)
+        shortlists = []
+        for q in queries:
+            k = len(q.tools)
+            dense = vectors @ self.encoder.encode([q.text])[0]
+            lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
+            lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
+            s = retriever.shortlist(q.text, max(SHORTLIST, k))
+            shortlists.append(s)
+            lists["fused"].append([names[i] for i in s.ids[:k]])
+            lists["shortlist"].append([names[i] for i in s.ids])
+        for w in weights:
+            engine = self.engine(w)
+            rt = engine.load_catalog(trie, retriever)
+            engine.run_until_idle()
+            seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s) for q, s in zip(queries, shortlists)]
+            engine.run_until_idle()
+            answers = []
+            for seq in seqs:
+                events = list(seq)
+                answer = [e.name for e in events[:-1]]
+                assert len(answer) == len(set(answer)) == seq.k, f"not k distinct names: {answer}"
+                answers.append(answer)
+            lists[f"tooltrie w={w:g}"] = answers
+        rows = {}
+        for method, answers in lists.items():
+            by_k = defaultdict(list)
+            for a, q in zip(answers, queries):
+                by_k[k_group(len(q.tools))].append((a, q))
+            if method == "shortlist":  # the ceiling: gold within the shortlist (recall only)
+                rows[method] = {"all": score(answers, queries)["recall"]}
+                continue
+            rows[method] = {"all": score(answers, queries),
+                            **{g: score([a for a, _ in v], [q for _, q in v]) for g, v in sorted(by_k.items())}}
+        counts = defaultdict(int)
+        for q in queries:
+            counts[k_group(len(q.tools))] += 1
+        return {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
+                "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "rows": rows}
+
+
+def table(results: list[dict]) -> str:
+    """One markdown table: a row per set, method and k group."""
+    lines = ["| data set | queries | method | k | recall@k | exact-set |", "| --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        label = dataset.SETS[r["set"]]
+        for method, row in r["rows"].items():
+            if method == "shortlist":
+                lines.append(f"| {label} | {r['queries']} | gold in the shortlist (top {SHORTLIST}) | all | "
+                             f"{row['all']:.3f} | - |")
+                continue
+            for group, m in row.items():
+                n = r["queries"] if group == "all" else r["by_k"][group]
+                lines.append(f"| {label} | {n} | {method} | {group} | {m['recall']:.3f} | {m['exact']:.3f} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--set", default="metatool", choices=["metatool", "bigcatalog", "toolbench"])
-    p.add_argument("--queries", type=int, default=100)
+    p.add_argument("--sets", default=",".join(dataset.SETS))
+    p.add_argument("--split", default="validation", choices=["train", "validation"])
+    p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
+    p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's setting)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    p.add_argument("--encoder", default=str(DEFAULT_ENCODER_DIR))
     p.add_argument("--backend", default="auto")
-    p.add_argument("--prompt", choices=list(PROMPTS), default="full")
     args = p.parse_args()
-
-    cfg = ModelConfig.from_dir(args.model)
-    kind = resolve_backend(args.backend)
-    spec = KVPoolSpec.from_tokens(cfg.max_position_embeddings * 4)
-    backend = make_backend(cfg, load_weights(args.model, cfg, weights_dtype(kind, cfg)), spec, kind)
-    tok = ModelTokenizer(args.model)
-    engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
-    catalog = parse_registry((data_dir() / args.set / "catalog.json").read_text())
-    catalog = Catalog(tuple(dataclasses.replace(t, description=PROMPTS[args.prompt](t.description))
-                            for t in catalog.tools))
-    trie = compile_catalog(catalog, tok)
+    from shared.config import Settings
+    weights = [float(w) for w in args.weights.split(",")] if args.weights else [Settings().fusion_weight]
+    harness = Harness(args.model, args.encoder, args.backend)
+    n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
-    runtime = engine.load_catalog(trie)
-    engine.run_until_idle()
-    warm_s = time.perf_counter() - started
-    queries = [json.loads(line) for line in (data_dir() / args.set / "dev_queries.jsonl").open()][:args.queries]
-    seqs = [engine.submit(runtime, q["query"], len(q["tools"])) for q in queries]
-    started = time.perf_counter()
-    engine.run_until_idle()
-    decode_s = time.perf_counter() - started
-    hits = gold = exact = 0
-    for q, seq in zip(queries, seqs):
-        events = list(seq)
-        if isinstance(events[-1], FailedEvent):
-            raise SystemExit(f"query failed: {events[-1].message}")
-        names = [e.name for e in events if not isinstance(e, DoneEvent)]
-        exact += len(names) == len(set(names)) == len(q["tools"]) and set(names) <= set(trie.pointer_names)
-        hits += len(set(names) & set(q["tools"]))
-        gold += len(q["tools"])
-    result = {"set": args.set, "prompt": args.prompt, "queries": len(queries), "model": Path(args.model).name, "backend": kind,
-              "recall": round(hits / gold, 4), "exactly_k_distinct": f"{exact}/{len(queries)}",
-              "prefix_tokens": len(runtime.prefix_ids), "warm_s": round(warm_s, 1),
-              "all_queries_s": round(decode_s, 1)}
-    suffix = "" if args.prompt == "full" else f"_{args.prompt}"
-    out = REPO_ROOT / "bench" / "results" / f"quality_{args.set}{suffix}.json"
+    results = []
+    for name in args.sets.split(","):
+        results.append(harness.run(name, args.split, n, weights))
+        print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
+    device = "h200" if harness.kind == "cuda" else "cpu"
+    out = REPO_ROOT / "bench" / "results" / f"quality_{device}{'' if args.split == 'validation' else '_train'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result))
+    out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
+                               "encoder": harness.encoder.name, "dense_weight": DENSE_WEIGHT,
+                               "shortlist": SHORTLIST, "weights": weights, "results": results}, indent=1) + "\n")
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import Counter
 
 import redis
@@ -18,6 +19,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
+from decoder_service.retrieval import Retriever, bm25_index, tool_texts, vectors_blob, vectors_from_blob
 from shared.store import CatalogStore, NotFound
 from shared.trie import Trie
 
@@ -25,6 +27,8 @@ log = logging.getLogger("tooltrie.catalogs")
 VERSIONS_LOADED = Gauge("tooltrie_catalog_versions_loaded", "Catalog versions held by the decoder")
 SWAPS = MetricCounter("tooltrie_catalog_swaps_total", "Times a catalog's default version changed")
 REFUSED = MetricCounter("tooltrie_catalog_refused_total", "Catalog versions refused (e.g. tokenizer mismatch)")
+VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool vectors, by where they came from",
+                        ["source"])
 
 
 class CatalogRefused(Exception):
@@ -34,8 +38,9 @@ class CatalogRefused(Exception):
 
 class CatalogManager:
     def __init__(self, store: CatalogStore, engine: DecodeEngine, names: list[str] | None = None,
-                 warm_timeout: float = 600.0):
+                 warm_timeout: float = 600.0, encoder=None):
         self.store, self.engine, self.names, self.warm_timeout = store, engine, names, warm_timeout
+        self.encoder = encoder
         self.loaded: dict[tuple[str, int], CatalogRuntime] = {}
         self.latest: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # the newest announced default per catalog, in event order
@@ -100,7 +105,7 @@ class CatalogManager:
         try:
             trie = Trie.from_blob(self.store.blob(name, version))
             try:
-                rt = self.engine.load_catalog(trie)
+                rt = self.engine.load_catalog(trie, self.retriever(name, version, trie))
             except (TokenizerMismatch, RequestError) as e:  # another tokenizer; a prefix past the context
                 REFUSED.inc()
                 with self._lock:
@@ -117,6 +122,34 @@ class CatalogManager:
         finally:
             with self._lock:
                 self._loading.pop(key).set()
+
+    def retriever(self, name: str, version: int, trie: Trie) -> Retriever:
+        """The version's retriever: its BM25 index from the blob, its tool vectors from the store, or
+        computed (once per version and encoder) and stored for the next start or replica."""
+        index, n = bm25_index(trie), len(trie.pointer_names)
+        if self.encoder is None:
+            return Retriever(index, n)
+        digest = self.encoder.digest
+        vectors = None
+        try:
+            blob = self.store.vectors(name, version, digest)
+            if blob is not None:
+                vectors = vectors_from_blob(blob, trie, digest, self.encoder.dim)
+                VECTORS.labels("store").inc()
+        except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+            log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
+        if vectors is None:
+            started = time.perf_counter()
+            # through the stored form (float16), so that a version answers the same whichever replica computed it
+            blob = vectors_blob(self.encoder.encode(tool_texts(trie)), trie.meta["content_hash"], digest)
+            vectors = vectors_from_blob(blob, trie, digest, self.encoder.dim)
+            VECTORS.labels("computed").inc()
+            log.info("%s v%d: %d tool vectors computed in %.2f s", name, version, n, time.perf_counter() - started)
+            try:
+                self.store.put_vectors(name, version, digest, blob)
+            except (redis.ConnectionError, redis.TimeoutError) as e:
+                log.warning("%s v%d: tool vectors not stored (%s)", name, version, e)
+        return Retriever(index, n, vectors, self.encoder)
 
     def announce(self, name: str, version: int) -> None:
         """Record version as the wanted default and load it in the background (events arrive in order;

@@ -10,13 +10,14 @@ import logging
 import os
 import threading
 import time
+import uuid
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from decoder_service.catalogs import CatalogManager, CatalogRefused
-from decoder_service.engine.engine import DecodeEngine, EngineConfig, QueueFull, RequestError
-from decoder_service.engine.sequence import DoneEvent, FailedEvent
+from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError
+from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import (RPC_TOTAL, make_server, set_serving, setup_logging, start_metrics, status_for,
@@ -40,9 +41,19 @@ REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code
 
 # Engine and catalog exceptions -> status codes (the shared ones come from shared.serving.status_for).
 REFUSALS = [(RequestError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
+            (Expired, grpc.StatusCode.DEADLINE_EXCEEDED),
             (CatalogRefused, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE)]
 FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
                 "cancelled": grpc.StatusCode.CANCELLED}
+
+
+def retrieved(rt, shortlist, k: int):
+    """MODE_RETRIEVE's events: the shortlist's first k tools as the answer, then Done."""
+    for i, pid in enumerate(shortlist.ids[:k]):
+        pid = int(pid)
+        yield PointerEvent(index=i, pointer_id=pid, name=rt.trie.pointer_names[pid],
+                           token_ids=tuple(rt.trie.pointer_tokens(pid)), logprob=0.0)
+    yield DoneEvent(prompt_tokens=0, generated_tokens=0, queue_ms=0.0, prefill_ms=0.0, decode_ms=0.0)
 
 
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
@@ -65,29 +76,42 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
             self._abort(context, status_for(e, REFUSALS), str(e))
+        seq = None  # once submitted, the engine releases the catalog pin when it lets go of the request
         try:
             try:
-                seq = self.engine.submit(rt, request.intent, request.k, list(request.allow) or None,
-                                         request.request_id or None, timeout=context.time_remaining())
-            except (RequestError, QueueFull) as e:
+                shortlist = self.engine.retrieve(rt, request.intent, request.k, list(request.allow) or None,
+                                                 request.shortlist)
+                if request.mode != pb.MODE_RETRIEVE:
+                    seq = self.engine.submit(rt, request.intent, request.k, request_id=request.request_id or None,
+                                             timeout=context.time_remaining(), shortlist=shortlist,
+                                             on_finish=lambda: self.catalogs.release(rt))
+            except (RequestError, QueueFull, Expired) as e:
                 self._abort(context, status_for(e, REFUSALS), str(e))
-            context.add_callback(lambda: self.engine.cancel(seq))
+            if seq is not None and not context.add_callback(lambda: self.engine.cancel(seq)):
+                self.engine.cancel(seq)  # the RPC ended before the callback could be added
             name, version = rt.key
-            log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": seq.request_id})
-            yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=seq.request_id))
-            for event in seq:
+            request_id = seq.request_id if seq is not None else request.request_id or uuid.uuid4().hex
+            log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": request_id})
+            yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=request_id))
+            rank = {int(p): (r, float(shortlist.scores[r])) for r, p in enumerate(shortlist.ids)}
+            events = seq if seq is not None else retrieved(rt, shortlist, request.k)
+            for event in events:
                 if isinstance(event, FailedEvent):
                     self._abort(context, FAILED_CODES.get(event.kind, grpc.StatusCode.INTERNAL), event.message)
                 if isinstance(event, DoneEvent):
                     REQUESTS.labels("OK").inc()
-                    yield pb.DiscoverEvent(done=pb.Done(**event.__dict__))
+                    RPC_TOTAL.labels(SERVICE, "Discover", "OK").inc()
+                    yield pb.DiscoverEvent(done=pb.Done(**event.__dict__, retrieval_ms=shortlist.seconds * 1e3))
                     return
                 if event.index == 0:
                     FIRST_POINTER.observe(time.monotonic() - started)
+                r, score = rank[event.pointer_id]
                 yield pb.DiscoverEvent(pointer=pb.Pointer(index=event.index, name=event.name,
-                                                          token_ids=list(event.token_ids), logprob=event.logprob))
+                                                          token_ids=list(event.token_ids), logprob=event.logprob,
+                                                          retrieval_score=score, retrieval_rank=r))
         finally:
-            self.catalogs.release(rt)
+            if seq is None:
+                self.catalogs.release(rt)
 
     def GetInfo(self, request, context):
         e = self.engine
@@ -100,7 +124,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
 
 
 def build_engine(settings: Settings):
-    """Model, backend, KV pool and engine from the settings; returns (engine, info for GetInfo)."""
+    """Model, backend, KV pool, engine and the retriever's encoder from the settings; returns (engine,
+    encoder or None, info for GetInfo)."""
+    from decoder_service.encoder import load_encoder
     from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.kv_pool import KVPoolSpec
@@ -115,9 +141,12 @@ def build_engine(settings: Settings):
                            max_table=settings.max_seqs * -(-cfg.max_position_embeddings // kv_spec.block_size))
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
-                          config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting))
-    info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind)}
-    return engine, info
+                          config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting,
+                                              shortlist=settings.shortlist, fusion_weight=settings.fusion_weight))
+    encoder = load_encoder(settings.encoder_dir, kind) if settings.encoder_dir else None
+    info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind),
+            "encoder": encoder.name if encoder else ""}
+    return engine, encoder, info
 
 
 def device_name(kind: str) -> str:
@@ -143,11 +172,11 @@ def serve(settings: Settings | None = None) -> None:
     settings = settings or Settings()
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
-    engine, info = build_engine(settings)
+    engine, encoder, info = build_engine(settings)
     engine.on_step = STEP_SECONDS.observe
     engine.start()
     store = CatalogStore.from_url(settings.redis_url, settings.namespace)
-    catalogs = CatalogManager(store, engine, settings.catalogs or None)
+    catalogs = CatalogManager(store, engine, settings.catalogs or None, encoder=encoder)
     servicer = DecoderServicer(engine, catalogs, info)
     # A Discover stream holds a handler thread while it runs or waits: one per admitted or queued
     # request (plus a few for GetInfo and health), so the queue bound, not the pool, refuses work.

@@ -10,12 +10,18 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
 
 # Environment variable -> (default, meaning). Read by Settings.from_env and listed by `tooltrie env`.
 ENV_VARS: dict[str, tuple[str, str]] = {
     "REDIS_URL": ("", "Redis to use; empty means the project starts its own redis-server under var/"),
     "TOOLTRIE_NAMESPACE": ("tooltrie", "prefix of every Redis key and of the event channel"),
     "TOOLTRIE_MODEL_DIR": (str(DEFAULT_MODEL_DIR), "Hugging Face-layout model directory"),
+    "TOOLTRIE_ENCODER_DIR": (str(DEFAULT_ENCODER_DIR), "the dense retriever's sentence encoder (BERT family, "
+                             "Hugging Face layout); empty: BM25 alone"),
+    "TOOLTRIE_SHORTLIST": ("20", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
+    "TOOLTRIE_FUSION_WEIGHT": ("1000", "decoder: logits one retrieval rank is worth in the answer's order "
+                               "(0: the generator alone; large: retrieval's order; docs/quality.md)"),
     "TOOLTRIE_COMPILER_ADDR": ("127.0.0.1:50051", "host:port the compiler service listens on"),
     "TOOLTRIE_DECODER_ADDR": ("127.0.0.1:50052", "host:port the decoder service listens on"),
     "TOOLTRIE_METRICS_PORT": ("9464", "HTTP port for Prometheus metrics (0 disables)"),
@@ -41,6 +47,9 @@ class Settings:
     redis_url: str = field(default_factory=lambda: _env("REDIS_URL"))
     namespace: str = field(default_factory=lambda: _env("TOOLTRIE_NAMESPACE"))
     model_dir: Path = field(default_factory=lambda: Path(_env("TOOLTRIE_MODEL_DIR")))
+    encoder_dir: str = field(default_factory=lambda: _env("TOOLTRIE_ENCODER_DIR"))
+    shortlist: int = field(default_factory=lambda: int(_env("TOOLTRIE_SHORTLIST")))
+    fusion_weight: float = field(default_factory=lambda: float(_env("TOOLTRIE_FUSION_WEIGHT")))
     compiler_addr: str = field(default_factory=lambda: _env("TOOLTRIE_COMPILER_ADDR"))
     decoder_addr: str = field(default_factory=lambda: _env("TOOLTRIE_DECODER_ADDR"))
     metrics_port: int = field(default_factory=lambda: int(_env("TOOLTRIE_METRICS_PORT")))

@@ -123,7 +123,8 @@ class CatalogStore:
                     drop = [v for v in old if v != latest]
                     p.multi()
                     for v in drop:
-                        p.delete(self._key(name, "blob", v), self._key(name, "info", v))
+                        vectors = list(self.r.scan_iter(match=self._key(name, "vectors", v, "*")))
+                        p.delete(self._key(name, "blob", v), self._key(name, "info", v), *vectors)
                         p.zrem(self._key(name, "versions"), str(v))
                     p.execute()
                     return
@@ -147,6 +148,14 @@ class CatalogStore:
         if data is None:
             raise NotFound(f"catalog {name!r} has no version {version}")
         return data
+
+    def vectors(self, name: str, version: int, encoder_digest: str) -> bytes | None:
+        """A version's stored tool vectors for this encoder (decoder_service.retrieval's blob), or None."""
+        return self.r.get(self._key(name, "vectors", version, encoder_digest))
+
+    def put_vectors(self, name: str, version: int, encoder_digest: str, blob: bytes) -> None:
+        """Keep a version's tool vectors so that a restart or another replica does not compute them again."""
+        self.r.set(self._key(name, "vectors", version, encoder_digest), blob)
 
     def info(self, name: str, version: int = 0) -> VersionInfo:
         version = self.resolve(name, version)

@@ -32,6 +32,7 @@ def test_kernels_match_the_host_sampler_under_the_simulator():
     result = run_checks(sim=True)
     assert result["rows"] >= 24 and result["mismatches"] == [], result["mismatches"][:5]
     assert 0 < result["done_rows"] < result["rows"], result   # rows whose pick ends the answer, and others
+    assert result["prior_rows"] > 0   # rows whose pick fuses a retrieval prior
     assert result["stale_binding_changed_answers"] > 0
 
 
@@ -74,7 +75,7 @@ def main() -> None:
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
     from decoder_service.engine.catalog_runtime import CatalogRuntime
-    from decoder_service.engine.sampler import SEP, STOP, legal_edges, select
+    from decoder_service.engine.sampler import SEP, STOP, edge_prior, legal_edges, select
     from decoder_service.model.cuda import sim_accel
     from decoder_service.model.cuda.launcher import Stream
     from shared.catalog import parse_registry
@@ -111,6 +112,9 @@ def main() -> None:
     allow_arena = np.concatenate([r[2] for r in rows] + [np.zeros(1, np.int32)]).astype(np.int32)
     allow_start = np.cumsum([0] + [len(r[2]) for r in rows[:-1]]).astype(np.int32)
     allow_len = np.asarray([len(r[2]) if len(r[2]) else -1 for r in rows], np.int32)
+    # retrieval priors (fusion) beside half the allowlists: whole numbers, so that some edges tie
+    prior_arena = np.asarray([rng.choice([0.0, -1.0, -2.0, -3.0]) for _ in range(len(allow_arena))], np.float32)
+    with_prior = np.asarray([len(r[2]) > 0 and i % 8 == 3 for i, r in enumerate(rows)], np.int32)
     emitted = np.full((N, kmax), -1, np.int32)
     for i, r in enumerate(rows):
         emitted[i, :r[1]] = r[4]
@@ -125,17 +129,18 @@ def main() -> None:
             "const": np.asarray([1 if r[0] == "metatool" else 0 for r in rows], np.int32),
             "node": np.asarray([r[3] for r in rows], np.int32), "emitted": emitted.ravel().copy(),
             "n_emitted": np.asarray([r[5] for r in rows], np.int32), "k": np.asarray([r[1] for r in rows], np.int32),
-            "allow_start": allow_start, "allow_len": allow_len,
+            "allow_start": allow_start, "allow_len": allow_len, "prior": with_prior,
         }
         dev = {key: cuda.to_device(v) for key, v in d.items()}
         cand = {key: cuda.to_device(np.full(N * cmax, -1, np.int32))
                 for key in ("token", "child", "lo", "edge", "ends")}
+        cand["bias"] = cuda.to_device(np.zeros(N * cmax, np.float32))
         ncand, status = cuda.to_device(np.zeros(N, np.int32)), cuda.to_device(np.zeros(N, np.int32))
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
         out = {key: cuda.to_device(np.zeros(N, dt)) for key, dt in
                (("done", np.int32), ("token", np.int32), ("edge", np.int32), ("logprob", np.float64))}
         mask, select = cs.sampler_launches(kernels, stream.handle, cuda.to_device(arena), dev, kmax,
-                                           cuda.to_device(allow_arena), True,
+                                           cuda.to_device(allow_arena), cuda.to_device(prior_arena), True,
                                            {**cand, "count": ncand, "status": status}, cmax,
                                            cuda.to_device(logits.ravel()), out)
         mask.launch(N)
@@ -147,7 +152,7 @@ def main() -> None:
     cs.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
     nc, edges, status, logits, out = launch()
     mismatches, done_rows = [], 0
-    forced = {name: CatalogRuntime.from_trie(t, tok, 16).last_pointer_edge for name, t in tries.items()}
+    forced = {name: CatalogRuntime.from_trie(t, None, tok, 16).last_pointer_edge for name, t in tries.items()}
     for i, (name, k, allow, node, em, n) in enumerate(rows):
         t = tries[name]
         buf = np.empty(4096, np.int32)
@@ -156,7 +161,11 @@ def main() -> None:
         if status[i] != cs.OK or nc[i] != c or list(edges[i, :c]) != list(buf[:c]):
             mismatches.append(f"row {i} ({name}): mask {list(edges[i, :nc[i]])[:8]} vs host {list(buf[:c])[:8]}")
             continue
-        win, lp = select(logits[i, :c], t.edge_token[buf[:c]])
+        bias = None
+        if with_prior[i]:
+            p = prior_arena[allow_start[i]:allow_start[i] + len(allow)]
+            bias = np.asarray([edge_prior(t.edge_lo[e], t.edge_hi[e], em, n, allow, p) for e in buf[:c]], np.float32)
+        win, lp = select(logits[i, :c], t.edge_token[buf[:c]], bias)
         if out["edge"][i] != buf[win] or abs(out["logprob"][i] - lp) > 1e-9 * max(1.0, abs(lp)):
             mismatches.append(f"row {i} ({name}): winner {out['edge'][i]} lp {out['logprob'][i]} vs {buf[win]} {lp}")
         child = t.edge_child[buf[win]]
@@ -173,6 +182,7 @@ def main() -> None:
     changed = sum(1 for i, r in enumerate(rows) if r[0] == "metatool" and
                   (nc2[i] != nc[i] or list(edges2[i, :nc2[i]]) != list(edges[i, :nc[i]])))
     print("RESULT " + json.dumps({"rows": N, "mismatches": mismatches, "done_rows": done_rows,
+                                  "prior_rows": int(with_prior.sum()),
                                   "stale_binding_changed_answers": changed}))
 
 

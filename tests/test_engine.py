@@ -202,7 +202,9 @@ def test_the_prefix_tail_is_copied_and_released_with_its_version(engine, tok, ca
     monkeypatch.setattr(engine.backend, "forward", lambda batch: (rows.append(batch.num_rows), forward(batch))[1])
     seq = engine.submit(catalog, INTENTS[2], 2)
     engine.run_until_idle()
-    assert rows[0] == len(seq.prompt_ids) - len(catalog.prefix_ids) and len(answer(seq)[0]) == 2
+    own = len(seq.prompt_ids) - len(catalog.prefix_ids)   # its shortlist and intent, in chunks
+    assert rows[0] == min(own, engine.config.chunk_size)
+    assert len(answer(seq)[0]) == 2
     idle = engine.blocks.num_free
     other = engine.load_catalog(metatool_trie(tok, first=12))
     engine.run_until_idle()
@@ -235,9 +237,10 @@ def test_select_breaks_ties_on_the_lower_token_id():
     assert win == 2 and lp == pytest.approx(np.log(np.exp(3) / (np.exp(1) + 2 * np.exp(3))))
 
 
-def straight_constrained_greedy(backend, prompt_ids, trie, k):
+def straight_constrained_greedy(backend, prompt_ids, trie, k, allowed):
     """The oracle: one sequence, the whole prompt in one chunk (no shared prefix, no batching), then
-    greedy decoding over the dense head masked to the trie's legal edges, walked by plain Python."""
+    greedy decoding over the dense head masked to the trie's legal edges for the allowed pointers (the
+    shortlist), walked by plain Python."""
     from decoder_service.model.batch import StepBatch
     from shared.trie import SEP, STOP
     tables = np.arange(NUM_BLOCKS, dtype=np.int32)[None, :]
@@ -250,7 +253,7 @@ def straight_constrained_greedy(backend, prompt_ids, trie, k):
         legal = [e for e in range(lo, hi)
                  if not (trie.edge_child[e] == SEP and len(emitted) + 1 >= k)
                  and not (trie.edge_child[e] == STOP and len(emitted) + 1 != k)
-                 and set(range(trie.edge_lo[e], trie.edge_hi[e])) - set(emitted)]
+                 and set(range(trie.edge_lo[e], trie.edge_hi[e])) & set(allowed) - set(emitted)]
         best = max(legal, key=lambda e: (logits[trie.edge_token[e]], -trie.edge_token[e]))
         child = trie.edge_child[best]
         if child in (SEP, STOP):
@@ -268,11 +271,12 @@ def test_engine_equals_a_straight_constrained_greedy_decode(tmp_path, tok, engin
     """Shared prefix blocks, chunked prefill and batching change nothing: same names as the oracle."""
     from engine_fixtures import tiny_backend
     fresh = tiny_backend(tmp_path, tok.tokenizer.get_vocab_size(), NUM_BLOCKS)
-    assert len(catalog.prefix_ids) > engine.config.chunk_size  # the prefix takes several prefill chunks
     for intent, k in [(INTENTS[0], 2), (INTENTS[5], 3), (INTENTS[7], 1)]:
         seq = engine.submit(catalog, intent, k)
+        assert len(seq.prompt_ids) - len(catalog.prefix_ids) > engine.config.chunk_size  # several prefill chunks
         engine.run_until_idle()
-        assert answer(seq)[0] == straight_constrained_greedy(fresh, seq.prompt_ids, catalog.trie, k)
+        assert answer(seq)[0] == straight_constrained_greedy(fresh, seq.prompt_ids, catalog.trie, k,
+                                                             seq.allow.tolist())
 
 
 @pytest.mark.parametrize("name", ["metatool", "bigcatalog", "toolbench"])

@@ -152,7 +152,7 @@ def test_tokenizer_without_the_stop_token_is_refused(small_tok, tmp_path):
     from shared.prompt import default_template
     from shared.tokenizer import TokenizerError
     cat = parse_registry('[{"name": "a"}]')
-    template = default_template(cat, "<|im_start|>{role}\n", "<|im_end|>\n", stop_token="<|no_such|>")
+    template = default_template("<|im_start|>{role}\n", "<|im_end|>\n", stop_token="<|no_such|>")
     with pytest.raises(TokenizerError, match="no single token for the stop token"):
         compile_catalog(cat, small_tok, template)
 

@@ -1,7 +1,7 @@
-"""One catalog version as the engine serves it: the trie, its prompt, and its shared prefix KV.
+"""One catalog version as the engine serves it: the trie, its retriever, its prompt, and its shared prefix KV.
 
-The catalog prefix (the system text listing the tools) is the same for every request on a version,
-so its KV is computed once. Its whole blocks are shared, reference-counted, by every request on it;
+The prefix (the start of the system turn) is the same for every request on a version, so its KV is
+computed once. Its whole blocks are shared, reference-counted, by every request on it;
 its last partial block (the tail) is kept in a block of the version's own, and each request starts
 with a copy of those positions in its first block (a few positions of K/V copied on the device
 instead of up to block_size - 1 prompt rows computed per request).
@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from decoder_service.retrieval import Retriever
 from shared.prompt import PromptTemplate
 from shared.trie import SEP, STOP, Trie
 
@@ -21,6 +22,7 @@ from shared.trie import SEP, STOP, Trie
 @dataclass
 class CatalogRuntime:
     trie: Trie
+    retriever: Retriever
     template: PromptTemplate
     prefix_ids: list[int]
     block_size: int
@@ -32,9 +34,9 @@ class CatalogRuntime:
     warm_seconds: float = 0.0
 
     @classmethod
-    def from_trie(cls, trie: Trie, tokenizer, block_size: int) -> "CatalogRuntime":
+    def from_trie(cls, trie: Trie, retriever: Retriever, tokenizer, block_size: int) -> "CatalogRuntime":
         template = PromptTemplate.from_json(trie.meta["prompt"])
-        return cls(trie=trie, template=template, prefix_ids=tokenizer.encode(template.prefix),
+        return cls(trie=trie, retriever=retriever, template=template, prefix_ids=tokenizer.encode(template.prefix),
                    block_size=block_size)
 
     @property
@@ -98,6 +100,10 @@ class CatalogRuntime:
     @cached_property
     def name_index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.trie.pointer_names)}
+
+    @property
+    def descriptions(self) -> list[str]:
+        return self.trie.meta["descriptions"]
 
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""

@@ -42,13 +42,15 @@ CONST_WORDS = 16384                        # 64 KiB of int32
 # compiler, whatever the index, and the rebinding would be silently ignored (seen on the H200).
 CONST_TRIE = np.arange(CONST_WORDS, dtype=np.int32)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
-_I, _S = numba.int32[::1], numba.int32
+_I, _S, _F = numba.int32[::1], numba.int32, numba.float32[::1]
 # k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
-#        forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status)
-MASK_SIGNATURE = (_I,) * 5 + (_S,) + (_I,) * 5 + (_S,) + (_I,) * 6 + (_S, _I)
-# k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status,
-#          node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob)
-SELECT_SIGNATURE = (numba.float32[::1], _S) + (_I,) * 6 + (_S,) + (_I,) * 3 + (_S,) + (_I,) * 4 + (numba.float64[::1],)
+#        prior, row_prior, forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, cand_bias, ncand, cmax,
+#        status)
+MASK_SIGNATURE = (_I,) * 5 + (_S,) + (_I,) * 5 + (_F, _I, _S) + (_I,) * 5 + (_F, _I, _S, _I)
+# k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, cand_bias, ncand, cmax,
+#          status, node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob)
+SELECT_SIGNATURE = ((_F, _S) + (_I,) * 5 + (_F, _I, _S) + (_I,) * 3 + (_S,) + (_I,) * 4
+                    + (numba.float64[::1],))
 
 
 def pack_trie(trie: Trie) -> np.ndarray:
@@ -104,12 +106,28 @@ def _legal(cmem, arena, use_const, base, e, tok_off, n_emitted, k, emitted, e0, 
     return count > 0
 
 
+@cuda.jit(device=True, inline="always")
+def _edge_prior(lo, hi, emitted, e0, n_emitted, allow, prior, a0, alen):
+    """sampler.edge_prior: the highest prior of the row's allowed, not yet emitted pointers in [lo, hi)."""
+    best = -math.inf
+    first = _lower_bound(allow, a0, a0 + alen, lo)
+    for j in range(first, _lower_bound(allow, first, a0 + alen, hi)):
+        taken = False
+        for i in range(n_emitted):
+            taken = taken or emitted[e0 + i] == allow[j]
+        if not taken and prior[j] > best:
+            best = prior[j]
+    return best
+
+
 @cuda.jit(cache=not SIM)
 def k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, allow, allow_start, allow_len,
-           forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status):
+           prior, row_prior, forced, cand_token, cand_child, cand_lo, cand_edge, cand_ends, cand_bias, ncand, cmax,
+           status):
     """One block per row: the row's legal edges, in edge order, as its candidates, each with whether
     taking it ends the answer: the stop, or (forced: the engine's finish_forced) on the last pointer, an
-    edge with one pointer below (engine._take_forced completes the answer from there)."""
+    edge with one pointer below (engine._take_forced completes the answer from there); and its bias: the
+    retrieval prior of its best pointer where the row has priors (beside its allowlist), else 0."""
     cmem = cuda.const.array_like(CONST_TRIE)
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -153,6 +171,9 @@ def k_mask(arena, row_base, row_const, node, emitted, kstride, n_emitted, k, all
                 cand_lo[j] = lo
                 cand_edge[j] = e
                 cand_ends[j] = child == STOP or (forced != 0 and child != SEP and ne + 1 == kk and hi - lo == 1)
+                cand_bias[j] = 0.0
+                if row_prior[r] != 0:
+                    cand_bias[j] = _edge_prior(lo, hi, emitted, em0, ne, allow, prior, a0, alen)
             out += 1
 
 
@@ -163,9 +184,10 @@ def _better(v, t, bv, bt):
 
 
 @cuda.jit(cache=not SIM)
-def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, ncand, cmax, status,
-             node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob):
-    """One block per row: masked argmax, log-softmax over the candidates, and the trie advance."""
+def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, cand_ends, cand_bias, ncand, cmax,
+             status, node, emitted, kstride, n_emitted, done, out_token, out_edge, out_logprob):
+    """One block per row: argmax of logit + bias over the candidates, log-softmax of the logits over them,
+    and the trie advance."""
     r = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     bv = cuda.shared.array(THREADS, numba.float32)
@@ -179,8 +201,9 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, c
     for i in range(tid, n, THREADS):
         v = logits[r * logit_stride + i]
         t = cand_token[r * cmax + i]
-        if _better(v, t, v_best, t_best):
-            v_best, t_best, i_best = v, t, i
+        f = v + cand_bias[r * cmax + i]
+        if _better(f, t, v_best, t_best):
+            v_best, t_best, i_best = f, t, i
         x = numba.float64(v)
         if x > m:
             s = s * math.exp(m - x) + 1.0
@@ -218,7 +241,7 @@ def k_select(logits, logit_stride, cand_token, cand_child, cand_lo, cand_edge, c
         child = cand_child[j]
         out_token[r] = cand_token[j]
         out_edge[r] = cand_edge[j]
-        out_logprob[r] = numba.float64(bv[0]) - (sm[0] + math.log(ss[0]))
+        out_logprob[r] = numba.float64(logits[r * logit_stride + w]) - (sm[0] + math.log(ss[0]))
         done[r] = cand_ends[j]
         if child == SEP or child == STOP:
             emitted[r * kstride + n_emitted[r]] = cand_lo[j]
@@ -244,23 +267,25 @@ class SamplerKernels:
         return cls._instance
 
 
-def sampler_launches(kernels: SamplerKernels, stream, arena, rows: dict, kstride: int, allow, forced: bool,
+def sampler_launches(kernels: SamplerKernels, stream, arena, rows: dict, kstride: int, allow, prior, forced: bool,
                      cand: dict, cmax: int, logits, picks: dict) -> tuple[Launch, Launch]:
     """k_mask and k_select with their arguments packed (the one place that knows their order), on the
     stream handle `stream`, for these device buffers:
     rows    the int32 [n] arrays named by DeviceSampler.FIELDS, and "emitted" [n * kstride];
     allow   the rows' allowlists, one int32 array (a row's: allow_start, allow_len; -1: all allowed);
+    prior   float32 beside allow: each allowed pointer's retrieval prior (read where rows["prior"] is 1);
     forced  the engine's finish_forced (what `done` means);
-    cand    "token", "child", "lo", "edge", "ends" [n * cmax] and "count", "status" [n] (int32);
+    cand    "token", "child", "lo", "edge", "ends" [n * cmax] and "count", "status" [n] (int32), "bias"
+            [n * cmax] (float32);
     logits  float32 [n * cmax], the sparse head's logits of the candidates;
     picks   "done", "token", "edge" (int32 [n]) and "logprob" (float64 [n])."""
     mask = Launch(kernels.mask, THREADS, 0,
                   [arena, rows["base"], rows["const"], rows["node"], rows["emitted"], kstride, rows["n_emitted"],
-                   rows["k"], allow, rows["allow_start"], rows["allow_len"], int(forced), cand["token"],
-                   cand["child"], cand["lo"], cand["edge"], cand["ends"], cand["count"], cmax, cand["status"]],
-                  stream)
+                   rows["k"], allow, rows["allow_start"], rows["allow_len"], prior, rows["prior"], int(forced),
+                   cand["token"], cand["child"], cand["lo"], cand["edge"], cand["ends"], cand["bias"], cand["count"],
+                   cmax, cand["status"]], stream)
     select = Launch(kernels.select, THREADS, 0,
-                    [logits, cmax, cand["token"], cand["child"], cand["lo"], cand["edge"], cand["ends"],
+                    [logits, cmax, cand["token"], cand["child"], cand["lo"], cand["edge"], cand["ends"], cand["bias"],
                      cand["count"], cmax, cand["status"], rows["node"], rows["emitted"], kstride, rows["n_emitted"],
                      picks["done"], picks["token"], picks["edge"], picks["logprob"]], stream)
     return mask, select
@@ -306,7 +331,7 @@ class DeviceSampler:
     goes to the host sampler, which tiles: no candidate is dropped.
     """
 
-    FIELDS = ("base", "const", "node", "n_emitted", "k", "allow_start", "allow_len")  # int32 per row
+    FIELDS = ("base", "const", "node", "n_emitted", "k", "allow_start", "allow_len", "prior")  # int32 per row
 
     def __init__(self, backend, fallback, max_k: int = 64, max_allow: int = 1 << 16, finish_forced: bool = True):
         """finish_forced: the engine's setting of that name (whether a last name left alone below its node
@@ -318,15 +343,19 @@ class DeviceSampler:
         self.base: dict = {}     # catalog key -> offset in the arena
         n, c = backend.max_logit_rows, backend.max_candidates
         pin = np.zeros if SIM else cuda.pinned_array
-        # staged inputs: the per-row fields, then emitted [n, max_k], then the rows' allowlists
+        # staged inputs: the per-row fields, then emitted [n, max_k], the rows' allowlists, and their priors
+        # (float32 words, beside the allowlists)
         self._o_emitted = len(self.FIELDS) * n
         self._o_allow = self._o_emitted + n * max_k
-        self.host_in = pin(self._o_allow + max_allow, np.int32)
+        self._o_prior = self._o_allow + max_allow
+        self.host_in = pin(self._o_prior + max_allow, np.int32)
+        self.host_prior = self.host_in[self._o_prior:].view(np.float32)
         self.dev_in = cuda.device_array(len(self.host_in), np.int32)
         self.host_fields = {f: self.host_in[i * n:(i + 1) * n] for i, f in enumerate(self.FIELDS)}
         dev_fields = {f: self.dev_in[i * n:(i + 1) * n] for i, f in enumerate(self.FIELDS)}
         emitted = self.dev_in[self._o_emitted:self._o_allow]
-        allow = self.dev_in[self._o_allow:]
+        allow = self.dev_in[self._o_allow:self._o_prior]
+        prior = self.dev_in[self._o_prior:].view(np.float32)
         # outputs: status | token | edge (int32), and the log-probabilities; two host copies, used in
         # turn, so that the next step's picks can arrive while the host reads this step's
         self.dev_out, self.dev_logprob = cuda.device_array(3 * n, np.int32), cuda.device_array(n, np.float64)
@@ -340,9 +369,10 @@ class DeviceSampler:
         # k_mask's and k_select's buffers (sampler_launches); the launches are packed once an arena exists,
         # and again whenever it grows
         self._buffers = dict(
-            rows={**dev_fields, "emitted": emitted}, kstride=max_k, allow=allow, forced=finish_forced,
+            rows={**dev_fields, "emitted": emitted}, kstride=max_k, allow=allow, prior=prior, forced=finish_forced,
             cand={"token": backend.cand, "count": backend.ncand, "status": status,
-                  **{key: cuda.device_array(n * c, np.int32) for key in ("child", "lo", "edge", "ends")}},
+                  **{key: cuda.device_array(n * c, np.int32) for key in ("child", "lo", "edge", "ends")},
+                  "bias": cuda.device_array(n * c, np.float32)},
             cmax=c, logits=backend.sparse, picks={"done": self.done, "token": token, "edge": edge,
                                                   "logprob": self.dev_logprob})
         self.launch_mask = self.launch_select = None
@@ -388,10 +418,15 @@ class DeviceSampler:
             self.host_in[row:row + seq.n_emitted] = seq.emitted[:seq.n_emitted]
             f["allow_start"][i] = offset
             f["allow_len"][i] = -1 if seq.allow_all else len(seq.allow)
+            f["prior"][i] = seq.prior is not None
             if not seq.allow_all:
                 self.host_in[self._o_allow + offset:self._o_allow + offset + len(seq.allow)] = seq.allow
+                if seq.prior is not None:
+                    self.host_prior[offset:offset + len(seq.allow)] = seq.prior
                 offset += len(seq.allow)
         self.be.stream.h2d(self.dev_in, self.host_in, self._o_allow + offset)
+        if any(seq.prior is not None for seq in seqs):
+            self.be.stream.h2d(self.dev_in[self._o_prior:], self.host_in[self._o_prior:], offset)
         return self._enqueue(seqs)
 
     def follow(self, picks: "DevicePicks") -> "DevicePicks":

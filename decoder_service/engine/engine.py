@@ -36,14 +36,13 @@ import uuid
 from collections import deque
 
 import numpy as np
-from tokenizers import Tokenizer
-
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
+from decoder_service.retrieval import Retriever, Shortlist, bm25_index
 from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")
@@ -65,6 +64,10 @@ class QueueFull(Exception):
     """The waiting queue is at its bound: the caller should back off (RESOURCE_EXHAUSTED)."""
 
 
+class Expired(Exception):
+    """The request's deadline passed before it was queued (DEADLINE_EXCEEDED); it never runs."""
+
+
 class TokenizerMismatch(ValueError):
     """A trie compiled for another tokenizer: refused, never served."""
 
@@ -79,6 +82,9 @@ class EngineConfig:
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
     step_ahead: bool = True        # enqueue the next step before reading the picks, where it can be (below)
     finish_forced: bool = True     # end an answer once its last name is the only one left below its node
+    shortlist: int = 20            # tools retrieved into a request's prompt (the answer is k of them)
+    max_shortlist: int = 256       # the most a request may ask for
+    fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
 
 
 @dataclasses.dataclass
@@ -103,10 +109,6 @@ class DecodeEngine:
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
                                    config.max_step_tokens)
-        # The intent is user text: it is tokenized with special-token parsing off, so "<|im_end|>"
-        # typed by a user stays text and cannot end the turn.
-        self._plain = Tokenizer.from_str(tokenizer.tokenizer.to_str())
-        self._plain.encode_special_tokens = True
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -119,15 +121,18 @@ class DecodeEngine:
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
-    def load_catalog(self, trie: Trie) -> CatalogRuntime:
-        """Check a trie against this engine's tokenizer and queue the warm-up of its prefix.
+    def load_catalog(self, trie: Trie, retriever: Retriever | None = None) -> CatalogRuntime:
+        """Check a trie against this engine's tokenizer and queue the warm-up of its prefix (without a
+        retriever, the version retrieves by BM25 alone).
 
         The returned runtime's `ready` event is set once its prefix KV is computed."""
         if trie.meta.get("tokenizer_hash") != self.tok.hash:
             raise TokenizerMismatch(f"catalog {trie.meta.get('name')!r} v{trie.meta.get('version')} was compiled "
                                     f"for tokenizer {str(trie.meta.get('tokenizer_hash'))[:12]}, this decoder "
                                     f"uses {self.tok.hash[:12]}")
-        rt = CatalogRuntime.from_trie(trie, self.tok, self.block_size)
+        if retriever is None:
+            retriever = Retriever(bm25_index(trie), len(trie.pointer_names))
+        rt = CatalogRuntime.from_trie(trie, retriever, self.tok, self.block_size)
         if len(rt.prefix_ids) >= self.max_positions:
             raise RequestError(f"catalog prefix of {len(rt.prefix_ids)} tokens does not fit the model's "
                                f"{self.max_positions} positions")
@@ -135,8 +140,7 @@ class DecodeEngine:
             rt.ready.set()
             return rt
         warm = Sequence(request_id=f"warmup:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
-                        prompt_ids=rt.prefix_ids, k=0, allow=np.empty(0, np.int32),
-                        allow_all=True, warmup=True)
+                        prompt_ids=rt.prefix_ids, k=0, allow=np.empty(0, np.int32), allow_all=True, warmup=True)
         self._post(("submit", warm))
         return rt
 
@@ -146,9 +150,10 @@ class DecodeEngine:
         self._post(("release_catalog", rt))
 
     # --- requests ------------------------------------------------------------------------------
-    def submit(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
-               request_id: str | None = None, timeout: float | None = None) -> Sequence:
-        """Validate and queue a request; iterate the returned Sequence for its events."""
+    def retrieve(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
+                 size: int = 0) -> Shortlist:
+        """Validate a request and retrieve its shortlist: the `size` (0: the engine's setting, at least k)
+        best tools for the intent among those the allowlist names (all when it is empty)."""
         n_tools = len(catalog.trie.pointer_names)
         if not isinstance(k, int) or k < 1:
             raise RequestError(f"k must be at least 1, got {k}")
@@ -157,22 +162,42 @@ class DecodeEngine:
         if len(intent) > self.config.max_intent_chars:
             raise RequestError(f"the intent has {len(intent)} characters, over the limit of "
                                f"{self.config.max_intent_chars}")
+        if size < 0 or size > self.config.max_shortlist:
+            raise RequestError(f"the shortlist size must be 0 (the default) to {self.config.max_shortlist}, got {size}")
+        allowed = None
         if allow:
             try:
                 allowed = catalog.pointer_ids(list(allow))
             except KeyError as e:
-                raise RequestError(f"allowlist: no tool named {e.args[0]!r} in catalog "
+                raise RequestError(f"allowlist: no tool named {e.args[0]!r:.200} in catalog "
                                    f"{catalog.key[0]!r} v{catalog.key[1]}") from None
             if k > len(allowed):
                 raise RequestError(f"k={k} is larger than the allowlist's {len(allowed)} tools")
-        else:
-            allowed = np.empty(0, np.int32)
-            if k > n_tools:
-                raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
-        prompt = catalog.prefix_ids + self.suffix_ids(catalog, intent, k)
+        elif k > n_tools:
+            raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
+        return catalog.retriever.shortlist(intent, max(size or self.config.shortlist, k), allowed)
+
+    def submit(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
+               request_id: str | None = None, timeout: float | None = None,
+               shortlist: Shortlist | None = None, on_finish=None) -> Sequence:
+        """Queue a request (retrieving its shortlist first unless given one from `retrieve`); iterate the
+        returned Sequence for its events. The prompt lists the shortlist in retrieval order and the answer is
+        k of its tools; a timeout of 0 or less has already expired (the request never runs). on_finish is
+        called once the engine has let go of the request (its KV blocks released), e.g. to unpin its catalog."""
+        if shortlist is None:
+            shortlist = self.retrieve(catalog, intent, k, allow)
+        if timeout is not None and timeout <= 0:
+            raise Expired("the request's deadline passed before it was queued")
+        ids = [int(i) for i in shortlist.ids]
+        names = [catalog.trie.pointer_names[i] for i in ids]
+        prompt = catalog.prefix_ids + catalog.template.request_ids(self.tok, names, [catalog.descriptions[i] for i in ids],
+                                                                   intent, k)
+        order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
+        weight = np.float32(self.config.fusion_weight)
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
-                       allow=allowed, allow_all=not allow,
-                       deadline=time.monotonic() + timeout if timeout else None)
+                       allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
+                       prior=weight * -order.astype(np.float32) if weight else None,
+                       deadline=time.monotonic() + timeout if timeout is not None else None, on_finish=on_finish)
         if seq.max_positions() > self.max_positions:
             raise RequestError(f"prompt ({len(prompt)} tokens) plus the worst-case answer for k={k} "
                                f"exceeds the model's {self.max_positions} positions")
@@ -195,13 +220,6 @@ class DecodeEngine:
         """Fail the request and free its KV blocks at the next step."""
         seq.cancelled = True
         self._post(("wake", None))
-
-    def suffix_ids(self, catalog: CatalogRuntime, intent: str, k: int) -> list[int]:
-        """The request's own prompt tokens, after the catalog prefix (the intent as plain text)."""
-        before, after = catalog.template.suffix.split("{intent}", 1)
-        render = lambda text: text.replace("{k}", str(k))  # noqa: E731
-        return (self.tok.encode(render(before)) + self._plain.encode(intent, add_special_tokens=False).ids
-                + self.tok.encode(render(after)))
 
     # --- the loop ------------------------------------------------------------------------------
     def _post(self, item) -> None:

@@ -46,14 +46,30 @@ def legal_edges(node, edge_start, edge_child, edge_lo, edge_hi, emitted, n_emitt
     return n
 
 
-def select(logits: np.ndarray, tokens: np.ndarray) -> tuple[int, float]:
+@njit(cache=True)
+def edge_prior(lo, hi, emitted, n_emitted, allow, prior):
+    """The highest prior of the allowed, not yet emitted pointers in [lo, hi): what choosing the edge is
+    worth to retrieval (-inf when none is left, which a legal edge never is)."""
+    best = -np.inf
+    for j in range(np.searchsorted(allow, lo), np.searchsorted(allow, hi)):
+        taken = False
+        for i in range(n_emitted):
+            taken |= emitted[i] == allow[j]
+        if not taken and prior[j] > best:
+            best = prior[j]
+    return np.float32(best)
+
+
+def select(logits: np.ndarray, tokens: np.ndarray, bias: np.ndarray | None = None) -> tuple[int, float]:
     """(index of the winner, its log-probability under the softmax over these candidates).
 
-    Highest logit wins; among equal logits the lower token id. The log-softmax is computed in float64
-    in candidate order, so it depends only on this row's logits.
+    Highest logit plus bias (float32: the retrieval prior of the edge, fusion) wins; among equal values
+    the lower token id. The log-softmax is of the logits alone, computed in float64 in candidate order, so
+    it depends only on this row's logits.
     """
-    best = logits.max()
-    tied = np.flatnonzero(logits == best)
+    fused = logits if bias is None else logits.astype(np.float32) + bias
+    best = fused.max()
+    tied = np.flatnonzero(fused == best)
     win = int(tied[np.argmin(tokens[tied])]) if len(tied) > 1 else int(tied[0])
     x = logits.astype(np.float64)
     logprob = float(x[win] - (x.max() + np.log(np.exp(x - x.max()).sum())))
@@ -118,9 +134,14 @@ class HostSampler:
             if counts[i] == 0:
                 picks.append(empty_mask_message(seq))
                 continue
-            win, logprob = select(logits[i, :counts[i]], cand[i, :counts[i]])
+            bias = None
+            if seq.prior is not None:
+                t = seq.catalog.trie
+                bias = np.asarray([edge_prior(t.edge_lo[e], t.edge_hi[e], seq.emitted, seq.n_emitted, seq.allow,
+                                              seq.prior) for e in edges_of[i]], np.float32)
+            win, logprob = select(logits[i, :counts[i]], cand[i, :counts[i]], bias)
             picks.append(Pick(int(edges_of[i][win]), int(cand[i, win]), logprob))
         return picks
 
 
-__all__ = ["HostSampler", "Pick", "legal_edges", "select", "SEP", "STOP"]
+__all__ = ["HostSampler", "Pick", "edge_prior", "legal_edges", "select", "SEP", "STOP"]

@@ -54,8 +54,11 @@ class Sequence:
     k: int
     allow: np.ndarray                # sorted allowed pointer ids (empty with allow_all)
     allow_all: bool
+    prior: np.ndarray | None = None  # float32 beside allow: logits added for each allowed tool (fusion weight
+                                     # times minus its retrieval rank); None: the generator alone
     deadline: float | None = None    # time.monotonic() after which the request fails
     warmup: bool = False             # a catalog prefix warm-up: prefill only, its blocks become shared
+    on_finish: object = None         # called once the engine has let go of the request (blocks released)
     events: queue.Queue = field(default_factory=queue.Queue)
     state: State = State.WAITING
     slot: int = -1
@@ -87,7 +90,11 @@ class Sequence:
         return self.n_emitted + 1 == self.k and bool(self.catalog.stop_nodes[self.node])
 
     def finish(self, event) -> None:
+        """The engine's last word on the request, after its KV blocks went back to the pool."""
         self.state = State.FINISHED
+        on_finish, self.on_finish = self.on_finish, None
+        if on_finish is not None:
+            on_finish()
         self.events.put(event)
 
     def __iter__(self):

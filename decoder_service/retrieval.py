@@ -1,0 +1,105 @@
+"""The first stage of a request: a shortlist of a catalog version's tools, from BM25 and the dense encoder.
+
+Each tool's score is a weighted sum of its cosine similarity to the intent (the encoder's unit vectors) and
+its BM25 score divided by the best BM25 score among the tools the request allows (`DENSE_WEIGHT`: measured on
+the training split, docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same
+intent gives the same shortlist, alone or in any batch.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+
+import numpy as np
+from safetensors.numpy import load as st_load, save as st_save
+
+from shared.bm25 import Bm25Index
+from shared.trie import Trie, read_blob_metadata
+
+DENSE_WEIGHT = 0.5
+SHORTLIST = 20
+
+
+@dataclass(frozen=True)
+class Shortlist:
+    ids: np.ndarray      # int32 pointer ids, best first
+    scores: np.ndarray   # float32 fused retrieval scores, in the same order
+    seconds: float       # time to retrieve
+
+
+def tool_texts(trie: Trie) -> list[str]:
+    """What the encoder reads of each tool, by pointer id: its name and its description."""
+    return [f"{n}: {d}" if d else n for n, d in zip(trie.pointer_names, trie.meta["descriptions"])]
+
+
+def bm25_index(trie: Trie) -> Bm25Index:
+    """The version's BM25 index from its blob, checked against its tool count."""
+    index = Bm25Index(trie.meta["bm25_terms"], *(trie.extra[f"bm25_{a}"] for a in Bm25Index.ARRAYS))
+    index.check(len(trie.pointer_names))
+    return index
+
+
+def vectors_blob(vectors: np.ndarray, content_hash: str, encoder_digest: str) -> bytes:
+    """Tool vectors as stored beside a version: float16, with what they were computed from and their hash."""
+    data = np.ascontiguousarray(vectors, np.float16)
+    return st_save({"vectors": data}, {"content_hash": content_hash, "encoder": encoder_digest,
+                                       "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
+
+
+def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) -> np.ndarray:
+    """Stored tool vectors, refused (ValueError) unless they are this version's, this encoder's and intact."""
+    meta = read_blob_metadata(blob)
+    vectors = st_load(blob)["vectors"]
+    if meta.get("content_hash") != trie.meta["content_hash"] or meta.get("encoder") != encoder_digest:
+        raise ValueError("stored tool vectors belong to another catalog version or encoder")
+    if hashlib.sha256(np.ascontiguousarray(vectors).tobytes()).hexdigest() != meta.get("sha256"):
+        raise ValueError("stored tool vectors do not match their recorded hash")
+    if vectors.shape != (len(trie.pointer_names), dim) or not np.all(np.isfinite(vectors)):
+        raise ValueError(f"stored tool vectors have shape {vectors.shape}, expected {(len(trie.pointer_names), dim)}")
+    return vectors.astype(np.float32)
+
+
+class Retriever:
+    """One catalog version's first stage: its BM25 index, and its tool vectors with the encoder for intents
+    (without an encoder, BM25 alone)."""
+
+    def __init__(self, index: Bm25Index, size: int, vectors: np.ndarray | None = None, encoder=None,
+                 dense_weight: float = DENSE_WEIGHT):
+        self.index, self.size, self.vectors, self.encoder = index, size, vectors, encoder
+        self.dense_weight = dense_weight if encoder is not None else 0.0
+
+    def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:
+        """float32 [tools]: every tool's fused score (-inf for a tool the allowlist leaves out)."""
+        dense = self.vectors @ self.encoder.encode([intent])[0] if self.encoder is not None else 0.0
+        lexical = self.index.scores(intent, self.size)
+        if allow is not None:
+            keep = np.zeros(self.size, bool)
+            keep[allow] = True
+            lexical = np.where(keep, lexical, 0.0)
+        top = lexical.max()
+        fused = self.dense_weight * dense + (1.0 - self.dense_weight) * (lexical / top if top > 0 else lexical)
+        fused = fused.astype(np.float32)
+        if allow is not None:
+            fused[~keep] = -np.inf
+        return fused
+
+    def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
+        """The n best tools for the intent among those allowed (all when allow is None), best first."""
+        started = time.perf_counter()
+        fused = self.scores(intent, allow)
+        n = min(n, self.size if allow is None else len(allow))
+        ids = top_n(fused, n)
+        return Shortlist(ids, fused[ids], time.perf_counter() - started)
+
+
+def top_n(scores: np.ndarray, n: int) -> np.ndarray:
+    """int32 ids of the n highest scores, best first, the lower id on a tie."""
+    if n < len(scores):
+        part = np.argpartition(-scores, n - 1)[:n]
+        cut = scores[part].min()
+        part = np.flatnonzero(scores >= cut)   # every tie at the cut, so the lower ids win below
+    else:
+        part = np.arange(len(scores))
+    order = np.lexsort((part, -scores[part]))
+    return part[order][:n].astype(np.int32)
