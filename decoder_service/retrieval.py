@@ -1,8 +1,9 @@
 """The first stage of a request: a shortlist of a catalog version's tools, from BM25 and the dense encoder.
 
 Each tool's score is a weighted sum of its cosine similarity to the intent (the encoder's unit vectors) and
-its BM25 score divided by the best BM25 score among the tools the request allows (`DENSE_WEIGHT`: measured on
-the training split, docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same
+its BM25 score, each standardised over the tools the request allows (minus the mean, over the standard
+deviation), so that neither scale dominates (`DENSE_WEIGHT` and the standardising: measured on the training
+split, docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same
 intent gives the same shortlist, alone or in any batch.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from safetensors.numpy import load as st_load, save as st_save
 from shared.bm25 import Bm25Index
 from shared.trie import Trie, read_blob_metadata
 
-DENSE_WEIGHT = 0.5
+DENSE_WEIGHT = 0.6
 SHORTLIST = 20
 
 
@@ -71,17 +72,15 @@ class Retriever:
 
     def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:
         """float32 [tools]: every tool's fused score (-inf for a tool the allowlist leaves out)."""
-        dense = self.vectors @ self.encoder.encode([intent])[0] if self.encoder is not None else 0.0
-        lexical = self.index.scores(intent, self.size)
+        keep = np.ones(self.size, bool)
         if allow is not None:
-            keep = np.zeros(self.size, bool)
+            keep[:] = False
             keep[allow] = True
-            lexical = np.where(keep, lexical, 0.0)
-        top = lexical.max()
-        fused = self.dense_weight * dense + (1.0 - self.dense_weight) * (lexical / top if top > 0 else lexical)
+        fused = (1.0 - self.dense_weight) * standardised(self.index.scores(intent, self.size), keep)
+        if self.encoder is not None:
+            fused += self.dense_weight * standardised(self.vectors @ self.encoder.encode([intent])[0], keep)
         fused = fused.astype(np.float32)
-        if allow is not None:
-            fused[~keep] = -np.inf
+        fused[~keep] = -np.inf
         return fused
 
     def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
@@ -91,6 +90,13 @@ class Retriever:
         n = min(n, self.size if allow is None else len(allow))
         ids = top_n(fused, n)
         return Shortlist(ids, fused[ids], time.perf_counter() - started)
+
+
+def standardised(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """float64 (x - mean) / std over the kept entries (0 where they are all equal)."""
+    x = x.astype(np.float64)
+    mean, std = x[keep].mean(), x[keep].std()
+    return (x - mean) / std if std > 0 else np.zeros_like(x)
 
 
 def top_n(scores: np.ndarray, n: int) -> np.ndarray:

@@ -29,6 +29,8 @@ SERVICE = pb.DESCRIPTOR.services_by_name["DecoderService"].full_name
 QUEUE_DEPTH = Gauge("tooltrie_decoder_queue_depth", "Discover requests waiting for admission")
 RUNNING = Gauge("tooltrie_decoder_running_batch", "Sequences in the running batch")
 KV_USED = Gauge("tooltrie_decoder_kv_blocks_used", "KV pool blocks in use")
+KV_CONSISTENT = Gauge("tooltrie_decoder_kv_pool_consistent", "1 while every KV block is free once or held (0: an "
+                      "engine fault; see the log)")
 STEPS_AHEAD = Gauge("tooltrie_decoder_steps_ahead", "Steps launched before the previous step's picks were read, "
                     "since start")
 STEPS_DROPPED = Gauge("tooltrie_decoder_steps_dropped", "Steps launched ahead of rows that all ended at the "
@@ -163,6 +165,7 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         QUEUE_DEPTH.set(engine.queue_depth())
         RUNNING.set(len(engine.scheduler.running))
         KV_USED.set(engine.blocks.num_blocks - engine.blocks.num_free)
+        KV_CONSISTENT.set(int(engine.blocks.consistent()))
         STEPS_AHEAD.set(engine.steps_ahead)
         STEPS_DROPPED.set(engine.steps_dropped)
         TOKENS_FORCED.set(engine.tokens_forced)

@@ -42,3 +42,10 @@ class BlockManager:
             self.refs[blocks] += 1
             raise RuntimeError(f"KV block {int(blocks[np.argmax(left < 0)])} released more often than held")
         self.free.extend(blocks[left == 0].tolist())
+
+    def consistent(self) -> bool:
+        """The pool's invariant: every block is either free (no reference, listed once) or held."""
+        free = np.asarray(self.free, np.intp)
+        held = int(np.count_nonzero(self.refs > 0))
+        return (len(free) + held == self.num_blocks and len(np.unique(free)) == len(free)
+                and not np.any(self.refs[free] != 0) and not np.any(self.refs < 0))
