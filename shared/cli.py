@@ -101,12 +101,13 @@ def cmd_rollback(args) -> int:
 def cmd_discover(args) -> int:
     from shared.client import DecoderClient
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
-        for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow):
-            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, {tool.catalog} v{tool.version})",
-                  flush=True)
+        for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow,
+                                    shortlist=args.shortlist, retrieve_only=args.retrieve_only):
+            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, retrieval rank {tool.retrieval_rank + 1}, "
+                  f"{tool.catalog} v{tool.version})", flush=True)
         d = client.done
-        print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; queue {d.queue_ms:.0f} ms, "
-              f"prefill {d.prefill_ms:.0f} ms, decode {d.decode_ms:.0f} ms")
+        print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; retrieval {d.retrieval_ms:.0f} ms, "
+              f"queue {d.queue_ms:.0f} ms, prefill {d.prefill_ms:.0f} ms, decode {d.decode_ms:.0f} ms")
     return 0
 
 
@@ -145,6 +146,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--catalog", required=True)
     c.add_argument("--version", type=int, default=0, help="0: the latest loaded version")
     c.add_argument("--allow", nargs="*", help="only these tool names may be returned")
+    c.add_argument("--shortlist", type=int, default=0, help="tools retrieved into the prompt (0: the server's default)")
+    c.add_argument("--retrieve-only", action="store_true", help="the shortlist's first k, no generator")
     c.set_defaults(run=cmd_discover)
 
     c = sub.add_parser("rollback", help="make an older stored version the latest")

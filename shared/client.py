@@ -22,11 +22,13 @@ ROUND_ROBIN = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{"rou
 
 @dataclass(frozen=True)
 class Tool:
-    index: int
+    index: int             # its place in the answer: a ranking, best first
     name: str
-    logprob: float
+    logprob: float         # the generator's constrained log-probability (0 in retrieval-only mode)
     catalog: str
     version: int
+    retrieval_score: float  # the first stage's fused score
+    retrieval_rank: int     # its rank in the shortlist the prompt listed
 
 
 class _Answer:
@@ -44,13 +46,15 @@ class _Answer:
             self.done = event.done
         else:
             p = event.pointer
-            return Tool(p.index, p.name, p.logprob, self.accepted.catalog, self.accepted.version)
+            return Tool(p.index, p.name, p.logprob, self.accepted.catalog, self.accepted.version, p.retrieval_score,
+                        p.retrieval_rank)
         return None
 
 
-def _request(catalog, intent, k, version, allow, request_id) -> pb.DiscoverRequest:
+def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False) -> pb.DiscoverRequest:
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
-                              request_id=request_id or "")
+                              request_id=request_id or "", shortlist=shortlist,
+                              mode=pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE)
 
 
 class DecoderClient:
@@ -60,10 +64,13 @@ class DecoderClient:
         self.timeout = timeout
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
-                 request_id: str | None = None):
-        """Yield each Tool as soon as the decoder completes it; afterwards .done holds the timings."""
+                 request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
+        """Yield each Tool as soon as the decoder completes it, best first; afterwards .done holds the timings.
+        shortlist: tools retrieved into the prompt (0: the server's default); retrieve_only: the shortlist's
+        first k, no generator."""
         answer = _Answer()
-        for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id), timeout=self.timeout):
+        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
+        for event in self.stub.Discover(request, timeout=self.timeout):
             tool = answer.read(event)
             if tool:
                 yield tool
@@ -89,10 +96,11 @@ class AsyncDecoderClient:
         self.timeout = timeout
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
-                       request_id: str | None = None):
+                       request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
+        """DecoderClient.discover for asyncio."""
         answer = _Answer()
-        async for event in self.stub.Discover(_request(catalog, intent, k, version, allow, request_id),
-                                              timeout=self.timeout):
+        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
+        async for event in self.stub.Discover(request, timeout=self.timeout):
             tool = answer.read(event)
             if tool:
                 yield tool
