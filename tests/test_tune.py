@@ -1,0 +1,125 @@
+"""tune on a tiny random Llama (CPU): the loss falls, and the merged adapters load in the project's runtime
+with the logits the trained PyTorch model gives. Skipped where torch or transformers is not installed."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from decoder_service.model.batch import StepBatch  # noqa: E402
+from decoder_service.model.config import ModelConfig  # noqa: E402
+from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
+from decoder_service.model.reference import ReferenceModel  # noqa: E402
+from decoder_service.model.weights import load_weights  # noqa: E402
+from model_fixtures import make_tiny_model  # noqa: E402
+from tokenizer_fixtures import catalog_path, make_tokenizer_dir  # noqa: E402
+from tune import lora, model as tmodel  # noqa: E402
+from tune.__main__ import main as tune_main  # noqa: E402
+from tune.data import Encoder, Source, items, read_queries, split, synthetic, training_items  # noqa: E402
+from tune.evaluate import decode  # noqa: E402
+from tune.merge import merge  # noqa: E402
+from tune.shortlist import Retriever, with_gold  # noqa: E402
+from tune.train import train  # noqa: E402
+
+VOCAB = 400
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny llama that speaks the small test tokenizer, a 12-tool registry and 48 labelled queries."""
+    tmp = tmp_path_factory.mktemp("tune")
+    base = make_tiny_model(tmp, "llama", "float32", tied=True, seed=1,
+                           config_overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048})
+    make_tokenizer_dir(base, vocab_size=VOCAB)
+    tools = json.loads(catalog_path("metatool").read_text())[:12]
+    registry = tmp / "registry.json"
+    registry.write_text(json.dumps(tools))
+    rng = random.Random(0)
+    lines = []
+    for i in range(48):
+        gold = rng.sample([t["name"] for t in tools], 1 + i % 2)
+        lines.append({"query": f"request {i}: " + " and ".join(t["description"][:40] for t in tools
+                                                                if t["name"] in gold), "tools": gold})
+    queries = tmp / "queries.jsonl"
+    queries.write_text("".join(json.dumps(q) + "\n" for q in lines))
+    return tmp, base, Source("tiny", registry, queries)
+
+
+def test_with_gold_replaces_the_lowest_ranked_non_gold_tool():
+    assert with_gold([5, 3, 9, 1], [7]) == [5, 3, 9, 7]
+    assert with_gold([5, 3, 9, 1], [1, 8]) == [5, 3, 8, 1]
+    assert with_gold([5, 3], [3]) == [5, 3]
+
+
+def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(setup):
+    tmp, base, source = setup
+    enc = Encoder(base)
+    cat = enc.catalog(source)
+    train_q, valid_q = split(cat, read_queries(source.queries))
+    retriever = Retriever()
+    train_items = training_items(cat, train_q + synthetic(cat, train_q, random.Random(0)), 6, 1, retriever)
+    assert all(set(it.gold) <= set(it.shortlist) and len(it.shortlist) == 6 for it in train_items)
+
+    torch.manual_seed(0)
+    net = tmodel.load(base, "cpu")
+    lora.add_lora(net, rank=4, alpha=8.0)
+    assert all(("lora_" in n) == p.requires_grad for n, p in net.named_parameters())
+    losses = train(net, enc, train_items, epochs=6, batch_size=8, lr=2e-2, seed=0, device="cpu", log=lambda m: None)
+    first, last = np.mean(losses[:3]), np.mean(losses[-3:])
+    assert last < 0.7 * first, (first, last)
+
+    base_sha = tmodel_sha(base)
+    lora.save_adapters(net, tmp / "adapters", 4, 8.0, {"name": base.name, "sha256": base_sha})
+    merge(base, tmp / "adapters", tmp / "merged")
+
+    it = items(cat, valid_q or train_q, 6, retriever)[0]
+    prompt = enc.prompt(it, it.shortlist)
+    net.eval()
+    with torch.no_grad():
+        want = net(input_ids=torch.tensor([prompt])).logits[0, -1].double().numpy()
+    cfg = ModelConfig.from_dir(tmp / "merged")
+    ref = ReferenceModel(cfg, load_weights(tmp / "merged", cfg, "float32", progress=False),
+                         KVPoolSpec(num_blocks=len(prompt) // 16 + 2, block_size=16))
+    table = np.arange(len(prompt) // 16 + 2, dtype=np.int32)[None]
+    ref.forward(StepBatch.from_chunks([(0, prompt, 0)], table))
+    got = ref.dense_logits()[0]
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-3
+    assert got.argmax() == want.argmax()
+
+    answer = decode(net, enc, [it], "cpu")[0]
+    assert len(answer) == len(it.gold) == len(set(answer)) and set(answer) <= set(it.shortlist)
+
+
+def tmodel_sha(model_dir):
+    from tune.merge import file_sha256
+    return file_sha256(model_dir / "model.safetensors")
+
+
+def test_merge_refuses_adapters_trained_on_another_base(setup):
+    tmp, base, _ = setup
+    net = tmodel.load(base, "cpu")
+    lora.add_lora(net, rank=2, alpha=2.0)
+    lora.save_adapters(net, tmp / "other", 2, 2.0, {"name": "x", "sha256": "0" * 64})
+    with pytest.raises(ValueError, match="trained on"):
+        merge(base, tmp / "other", tmp / "refused")
+    assert not (tmp / "refused").exists()
+
+
+def test_cli_writes_adapters_model_and_card(setup):
+    tmp, base, source = setup
+    out = tmp / "run"
+    tune_main(["--base", str(base), "--out", str(out), "--registry", str(source.registry), "--queries",
+               str(source.queries), "--synthetic", "--retrieval", "bm25", "--shortlist", "6", "--rank", "2", "--alpha", "4",
+               "--epochs", "1", "--batch-size", "16", "--device", "cpu"])
+    card = json.loads((out / "card.json").read_text())
+    assert card["data"]["registry"]["registry_sha256"] and card["hyperparameters"]["seed"] == 0
+    assert set(card["validation"]["registry"]) >= {"recall", "retriever_recall", "shortlist_ceiling"}
+    assert card["adapter_bytes"] == sum(p.stat().st_size for p in (out / "adapters").glob("*.safetensors"))
+    cfg = ModelConfig.from_dir(out / "model")
+    load_weights(out / "model", cfg, "float32", progress=False)
+    assert (out / "model" / "tokenizer.json").is_file()

@@ -1,0 +1,131 @@
+"""python -m tune: fine-tune the selector on retrieved shortlists; write adapters, a merged model and a card."""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+from shared.dataset import DATA_DIR
+from tune.data import Encoder, Source, held_out_tools, items, read_queries, split, synthetic, training_items
+from tune.merge import file_sha256, merge
+from tune.shortlist import DenseEncoder, Retriever
+
+PAPER_SETS = ("metatool", "toolbench", "bigcatalog")
+
+
+def parse_args(argv: list[str] | None):
+    p = argparse.ArgumentParser(prog="python -m tune", description=__doc__.split(":", 1)[1].strip())
+    p.add_argument("--base", type=Path, required=True, help="base model folder (Hugging Face layout)")
+    p.add_argument("--out", type=Path, required=True, help="output folder: adapters/, model/, card.json")
+    p.add_argument("--registry", type=Path, action="append", default=[], help="your registry (repeatable)")
+    p.add_argument("--queries", type=Path, action="append", default=[],
+                   help="labelled queries for the registry at the same position (dev_queries.jsonl format)")
+    p.add_argument("--sets", default="", help=f"comma-separated data sets of --data-dir ({','.join(PAPER_SETS)})")
+    p.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    p.add_argument("--repeat", default="", help="per-set repetition of its training queries, e.g. toolbench=4")
+    p.add_argument("--synthetic", action="store_true", help="add a synthetic query for each tool no training "
+                   "query names")
+    p.add_argument("--synthetic-per-set", type=int, default=0, help="at most N synthetic queries per set "
+                   "(a seeded sample; 0: all)")
+    p.add_argument("--hold-out-tools", type=float, default=0.0,
+                   help="fraction of each catalog's tools kept out of labelled training (reported separately)")
+    p.add_argument("--shortlist", type=int, default=20)
+    p.add_argument("--retrieval", choices=("fused", "bm25"), default="fused",
+                   help="shortlists from BM25 fused with the dense encoder (the service's), or BM25 alone")
+    p.add_argument("--encoder", type=Path, help="dense encoder folder (all-MiniLM-L6-v2) for fused shortlists")
+    p.add_argument("--shortlist-cache", type=Path, help="JSON cache of shortlists (read, then extended)")
+    p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (no adapters written)")
+    p.add_argument("--rank", type=int, default=32)
+    p.add_argument("--alpha", type=float, default=64.0)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-train", type=int, default=0, help="use only the first N training items (smoke tests)")
+    p.add_argument("--max-validation", type=int, default=0, help="validate on at most N queries per set")
+    p.add_argument("--prepare-only", action="store_true", help="build the examples (and the shortlist cache), "
+                   "then stop")
+    p.add_argument("--device", default="", help="cuda or cpu (default: cuda when available)")
+    return p.parse_args(argv)
+
+
+def sources_of(args) -> list[Source]:
+    """The labelled data sets named on the command line."""
+    if len(args.registry) != len(args.queries):
+        raise SystemExit("give one --queries per --registry")
+    out = [Source(r.stem if r.stem != "catalog" else r.parent.name, r, q) for r, q in zip(args.registry, args.queries)]
+    out += [Source(s, args.data_dir / s / "catalog.json", args.data_dir / s / "dev_queries.jsonl")
+            for s in filter(None, args.sets.split(","))]
+    if not out:
+        raise SystemExit("nothing to train on: give --registry/--queries or --sets")
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import torch
+    from tune import lora, model as tmodel
+    from tune.card import write_card
+    from tune.evaluate import evaluate
+    from tune.train import train
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    repeat = {k: int(v) for k, v in (x.split("=") for x in filter(None, args.repeat.split(",")))}
+    rng = random.Random(args.seed)
+    enc = Encoder(args.base)
+    retriever = Retriever(DenseEncoder(args.encoder) if args.encoder else None, args.shortlist_cache,
+                          fused=args.retrieval == "fused")
+    train_items, valid_items, counts = [], [], {}
+    for source in sources_of(args):
+        cat = enc.catalog(source)
+        cat.held_out = held_out_tools(cat.names, args.hold_out_tools)
+        train_q, valid_q = split(cat, read_queries(source.queries))
+        synth = synthetic(cat, train_q, rng) if args.synthetic else []
+        if args.synthetic_per_set and len(synth) > args.synthetic_per_set:
+            synth = random.Random(args.seed + 1).sample(synth, args.synthetic_per_set)
+        if args.max_validation:
+            valid_q = valid_q[:args.max_validation]
+        train_items += training_items(cat, train_q, args.shortlist, repeat.get(source.name, 1), retriever)
+        train_items += training_items(cat, synth, args.shortlist, 1, retriever)
+        valid_items += [it for it in items(cat, valid_q, args.shortlist, retriever) if len(it.gold) <= len(it.shortlist)]
+        counts[source.name] = {"tools": len(cat.names), "held_out_tools": len(cat.held_out),
+                               "train_queries": len(train_q), "synthetic_queries": len(synth),
+                               "repeat": repeat.get(source.name, 1), "validation_queries": len(valid_q)}
+        print(f"{source.name}: {counts[source.name]}", flush=True)
+    if args.max_train:
+        train_items = random.Random(args.seed).sample(train_items, min(args.max_train, len(train_items)))
+
+    print(f"{len(train_items)} training items, {len(valid_items)} validation queries", flush=True)
+    if args.prepare_only:
+        return
+    torch.manual_seed(args.seed)
+    net = tmodel.load(args.base, device)
+    if not args.full:
+        lora.add_lora(net, args.rank, args.alpha)
+    started = time.perf_counter()
+    losses = train(net, enc, train_items, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
+                   seed=args.seed, device=device, log=lambda m: print(m, flush=True))
+    seconds = time.perf_counter() - started
+    validation = evaluate(net, enc, valid_items, device)
+    print(json.dumps(validation, indent=1), flush=True)
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = {"name": args.base.name, "sha256": file_sha256(args.base / "model.safetensors")}
+    extra = {}
+    if args.full:
+        tmodel.save(net, args.base, args.out / "model", torch.float16)
+    else:
+        files = lora.save_adapters(net, args.out / "adapters", args.rank, args.alpha, base)
+        extra["adapter_bytes"] = sum(f.stat().st_size for f in files)
+        merge(args.base, args.out / "adapters", args.out / "model")
+    hyper = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    write_card(args.out / "card.json", sources=sources_of(args), base=base, args=hyper, counts=counts,
+               losses=losses, seconds=seconds, validation=validation, extra=extra)
+    print(f"wrote {args.out} (train {seconds:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""Training and validation examples: labelled queries, synthetic ones, shortlists, and their token ids."""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from compiler_service.compiler import tokenize_names, tool_description
+from shared.catalog import parse_registry
+from shared.dataset import is_validation
+from shared.prompt import default_template
+from shared.tokenizer import ModelTokenizer
+from tune.shortlist import Retriever, with_gold
+
+SYNTHETIC_TEMPLATES = ("{d}", "I need to {d}", "Can you {d}?", "Help me {d}", "Is there a way to {d}?")
+
+
+@dataclass
+class Catalog:
+    """One catalog as the prompt shows it: names, prompt descriptions and each name's answer tokens."""
+    name: str
+    names: list[str]
+    descriptions: list[str]
+    name_ids: list[list[int]]
+    digest: str                                       # sha256 of the registry file
+    held_out: frozenset[int] = frozenset()            # tools kept out of every labelled training query
+    index: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class Item:
+    """One query over one catalog: its gold tools (indices, in answer order) and its retrieved shortlist."""
+    catalog: Catalog
+    query: str
+    gold: list[int]
+    shortlist: list[int]                              # tool indices, retrieval order
+    synthetic: bool = False
+
+
+@dataclass(frozen=True)
+class Source:
+    """A labelled data set: a registry file and a queries file in the dev_queries.jsonl format."""
+    name: str
+    registry: Path
+    queries: Path
+
+
+class Encoder:
+    """Prompt and answer token ids, built with the serving prompt's own functions."""
+
+    def __init__(self, model_dir: Path):
+        self.tok = ModelTokenizer(model_dir)
+        self.template = default_template(*self.tok.chat_format())
+        self.sep_id = self.tok.single_token(self.template.separator, "separator")
+        self.stop_id = self.tok.single_token(self.template.stop_token, "stop token")
+        self.prefix_ids = self.tok.encode(self.template.prefix)
+
+    def catalog(self, source: Source) -> Catalog:
+        """The source's catalog with each name tokenized as the compiler writes it."""
+        raw = source.registry.read_bytes()
+        tools = parse_registry(raw).tools
+        names = [t.name for t in tools]
+        ids = tokenize_names(names, self.tok, self.template.separator, self.sep_id)
+        return Catalog(source.name, names, [tool_description(t) for t in tools], ids,
+                       hashlib.sha256(raw).hexdigest(), index={n: i for i, n in enumerate(names)})
+
+    def prompt(self, item: Item, order: list[int]) -> list[int]:
+        """The request's prompt with the shortlist listed in `order` (tool indices)."""
+        c = item.catalog
+        return self.prefix_ids + self.template.request_ids(
+            self.tok, [c.names[i] for i in order], [c.descriptions[i] for i in order], item.query, len(item.gold))
+
+    def answer(self, item: Item) -> list[int]:
+        """The gold names' tokens, separator between two, the stop token last."""
+        out: list[int] = []
+        for j, g in enumerate(item.gold):
+            out += item.catalog.name_ids[g] + [self.sep_id if j + 1 < len(item.gold) else self.stop_id]
+        return out
+
+    def example(self, item: Item, rng: random.Random) -> tuple[list[int], list[int]]:
+        """(prompt ids, answer ids) with the shortlist in a fresh random order."""
+        order = list(item.shortlist)
+        rng.shuffle(order)
+        return self.prompt(item, order), self.answer(item)
+
+
+def read_queries(path: Path) -> list[dict]:
+    """Queries in the dev_queries.jsonl format: one {"query", "tools"} object a line."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def held_out_tools(names: list[str], fraction: float) -> frozenset[int]:
+    """A stable `fraction` of a catalog's tools, chosen by a hash of the name (no rng)."""
+    if fraction <= 0:
+        return frozenset()
+    cut = int(fraction * 10_000)
+    return frozenset(i for i, n in enumerate(names)
+                     if int(hashlib.sha256(("holdout:" + n).encode()).hexdigest()[:8], 16) % 10_000 < cut)
+
+
+def synthetic_query(description: str, rng: random.Random) -> str:
+    """A request written from a tool's description with one of a few templates."""
+    d = " ".join(description.split()).rstrip(". ")
+    template = rng.choice(SYNTHETIC_TEMPLATES)
+    if template != "{d}" and d[:1].isupper() and not d[1:2].isupper():
+        d = d[0].lower() + d[1:]
+    return template.format(d=d)
+
+
+def items(catalog: Catalog, queries: list[dict], n: int, retriever: Retriever) -> list[Item]:
+    """Items for queries over a catalog with their retrieved shortlists (gold not inserted)."""
+    lists = retriever.shortlists(catalog.digest, catalog.names, catalog.descriptions, [q["query"] for q in queries], n)
+    return [Item(catalog, q["query"], [catalog.index[t] for t in q["tools"]], [int(i) for i in s],
+                 q.get("synthetic", False)) for q, s in zip(queries, lists)]
+
+
+def split(catalog: Catalog, queries: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(training, validation) queries by the fixed split; training drops queries with a held-out gold tool."""
+    train = [q for q in queries if not is_validation(q["query"])
+             and not any(catalog.index[t] in catalog.held_out for t in q["tools"])]
+    return train, [q for q in queries if is_validation(q["query"])]
+
+
+def synthetic(catalog: Catalog, train: list[dict], rng: random.Random) -> list[dict]:
+    """One synthetic query per tool that no training query names (held-out tools included), if described."""
+    named = {t for q in train for t in q["tools"]}
+    return [{"query": synthetic_query(d, rng), "tools": [n], "synthetic": True}
+            for n, d in zip(catalog.names, catalog.descriptions) if n not in named and d.strip()]
+
+
+def training_items(catalog: Catalog, train: list[dict], n: int, repeat: int, retriever: Retriever) -> list[Item]:
+    """Training items, gold inserted into each shortlist, the set's items repeated `repeat` times."""
+    out = items(catalog, train, n, retriever)
+    for it in out:
+        it.shortlist = with_gold(it.shortlist, it.gold)
+    return out * repeat

@@ -1,0 +1,80 @@
+"""The training loop: answer-token cross-entropy over shuffled shortlist prompts, AdamW, warmup then cosine."""
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import time
+
+import torch
+
+from tune.data import Encoder, Item
+
+
+def batch_tensors(examples: list[tuple[list[int], list[int]]], pad: int, device: str):
+    """(input ids, attention mask, positions whose next token is an answer token, those tokens), right-padded."""
+    width = max(len(p) + len(a) for p, a in examples)
+    ids, mask, rows, cols, targets = [], [], [], [], []
+    for r, (p, a) in enumerate(examples):
+        seq = p + a
+        ids.append(seq + [pad] * (width - len(seq)))
+        mask.append([1] * len(seq) + [0] * (width - len(seq)))
+        for j, t in enumerate(a):
+            rows.append(r)
+            cols.append(len(p) + j - 1)
+            targets.append(t)
+    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+    return t(ids), t(mask), (t(rows), t(cols)), t(targets)
+
+
+def answer_loss(model, ids, mask, where, targets) -> torch.Tensor:
+    """Mean cross-entropy of the answer tokens; the vocabulary projection runs on those positions only."""
+    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    logits = model.lm_head(hidden[where]).float()
+    return torch.nn.functional.cross_entropy(logits, targets)
+
+
+def lr_at(step: int, total: int, peak: float, warmup: float = 0.05, floor: float = 0.1) -> float:
+    """Linear warmup over the first `warmup` of the steps, then cosine down to `floor` * peak."""
+    w = max(1, int(warmup * total))
+    if step < w:
+        return peak * (step + 1) / w
+    progress = (step - w) / max(1, total - w)
+    return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: int, lr: float, seed: int,
+          device: str, log=print) -> list[float]:
+    """Train the model's trainable parameters; returns each step's loss. Every epoch reshuffles the items
+    and each item's shortlist order (one `random.Random(seed)` drives both)."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps_per_epoch = math.ceil(len(items) / batch_size)
+    total = epochs * steps_per_epoch
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.startswith("cuda") else contextlib.nullcontext()
+    losses: list[float] = []
+    started = time.perf_counter()
+    model.train()
+    for epoch in range(epochs):
+        order = list(items)
+        rng.shuffle(order)
+        for s in range(steps_per_epoch):
+            examples = [enc.example(it, rng) for it in order[s * batch_size:(s + 1) * batch_size]]
+            ids, mask, where, targets = batch_tensors(examples, enc.stop_id, device)
+            for group in opt.param_groups:
+                group["lr"] = lr_at(len(losses), total, lr)
+            with autocast:
+                loss = answer_loss(model, ids, mask, where, targets)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            losses.append(float(loss.detach()))
+            if len(losses) % 50 == 0 or len(losses) == total:
+                recent = losses[-50:]
+                log(f"epoch {epoch + 1} step {len(losses)}/{total} loss {sum(recent) / len(recent):.4f} "
+                    f"({time.perf_counter() - started:.0f} s)")
+    return losses
+
