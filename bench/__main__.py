@@ -9,11 +9,14 @@ random weights) it measures, in this order:
   floor         bytes of weights per decode step / device-to-device copy bandwidth measured now
   step          one decode step at batch 1/16/64/256, constrained (k_mask, sparse head, k_select)
                 and unconstrained (dense head), each a captured graph (GPU only)
+  retrieval     the first stage alone (encode the intent, BM25, fused top 20) over MetaTool's queries on a
+                catalog of --retrieval-tools tools (100,000), and the time to compute its tool vectors
   workloads     MetaTool (199 tools, 469 queries) and Seal-Tools (4,076 tools, global-memory trie):
-                catalog-prefix warm-up; per-query wall clock and time to first pointer at concurrency 1;
-                every query submitted at once (queries per second)
-  peer          the same prompts through bench/peer.py (gpt-fast recipe + XGrammar), at concurrency 1
-                and in batches of --peer-rows; how often it repeats a name
+                tool vectors and prefix warm-up; per-query wall clock (retrieval, shortlist prompt, decode)
+                and time to first pointer at concurrency 1; every query submitted at once (queries per second)
+  peer          the same prompts (each query's shortlist listed) through bench/peer.py (gpt-fast recipe +
+                XGrammar over the whole catalog), at concurrency 1 and in batches of --peer-rows; how often it
+                repeats a name
   determinism   (first shape, MetaTool) random shuffled batches of the 469 queries, each answer
                 compared bit for bit with the same query run alone
 Writes bench/results/bench_<device>.json, .md and .png; the markdown table is printed last.
@@ -37,11 +40,13 @@ sys.path[:0] = [str(ROOT)]
 
 from bench import report  # noqa: E402
 from bench.gpu_model_check import MODELS, random_weights  # noqa: E402
-from bench.workload import EngineDriver, load_workload  # noqa: E402
+from bench.workload import EngineDriver, large_catalog, load_workload  # noqa: E402
+from decoder_service.encoder import load_encoder  # noqa: E402
 from decoder_service.engine.engine import DecodeEngine, EngineConfig  # noqa: E402
 from decoder_service.model.config import ModelConfig  # noqa: E402
 from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
+from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors  # noqa: E402
+from shared.config import DEFAULT_ENCODER_DIR, DEFAULT_MODEL_DIR  # noqa: E402
 from shared.tokenizer import ModelTokenizer  # noqa: E402
 
 BLOCK = 16
@@ -136,12 +141,45 @@ def determinism(driver, rt, queries, solo, seconds: float, seed: int = 11) -> di
     return {"batches": batches, "requests": checked, "mismatches": mismatches, "seconds": seconds}
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, queries, det_seconds: float) -> dict:
+def retriever_for(trie, encoder) -> tuple[Retriever, float]:
+    """The version's retriever with its tool vectors computed now, and the seconds that took."""
+    started = time.perf_counter()
+    vectors, _ = computed_vectors(trie, encoder)
+    return Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder), time.perf_counter() - started
+
+
+def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
+    """The first stage alone on a catalog of n_tools tools: its tool vectors' time, then each query's
+    shortlist (encode, BM25, fused top 20) at concurrency 1."""
+    from compiler_service.compiler import compile_catalog
+    from shared.catalog import catalog_from_entries
+    started = time.perf_counter()
+    trie = compile_catalog(catalog_from_entries(large_catalog(n_tools)), tok)
+    compile_s = time.perf_counter() - started
+    retriever, vectors_s = retriever_for(trie, encoder)
+    for q in queries[:5]:
+        retriever.shortlist(q.intent, SHORTLIST)
+    times = [retriever.shortlist(q.intent, SHORTLIST).seconds for q in queries]
+    encode = []
+    for q in queries:
+        t = time.perf_counter()
+        encoder.encode([q.intent])
+        encode.append(time.perf_counter() - t)
+    out = {"tools": n_tools, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
+           "shortlist": percentiles(times), "encode_intent": percentiles(encode)}
+    log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, shortlist p50 {out['shortlist']['p50_ms']:.3f} ms "
+        f"(encoding the intent {out['encode_intent']['p50_ms']:.3f} ms)")
+    return out
+
+
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                           EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries)))
     driver = EngineDriver(engine)
     try:
-        rt, warm = driver.warm(trie)
+        retriever, vectors_s = retriever_for(trie, encoder)
+        rt, warm = driver.warm(trie, retriever)
+        log(f"  tooltrie: {len(trie.pointer_names)} tool vectors in {vectors_s:.2f} s")
         log(f"  tooltrie: prefix {len(rt.prefix_ids)} tokens warm in {warm:.2f} s; sampler "
             f"{type(engine.sampler).__name__}")
         solo = driver.one_by_one(rt, queries)
@@ -149,7 +187,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, queries, det_seconds: float) -> dict:
         together, elapsed = driver.all_at_once(rt, queries)
         log(f"  tooltrie all at once: {len(queries) / elapsed:.1f} queries/s")
         out = {
-            "prefix_tokens": len(rt.prefix_ids), "warmup_s": round(warm, 3),
+            "prefix_tokens": len(rt.prefix_ids), "warmup_s": round(warm, 3), "tool_vectors_s": round(vectors_s, 3),
             "sampler": type(engine.sampler).__name__,
             "launches_per_step": be.launches_per_step() + 3 if hasattr(be, "launches_per_step") else None,
             "concurrency_1": {**percentiles([r["wall_s"] for r in solo]),
@@ -166,7 +204,8 @@ def run_tooltrie(be, cfg, spec, tok, trie, queries, det_seconds: float) -> dict:
             out["determinism"] = determinism(driver, rt, queries, solo, det_seconds)
             log(f"  determinism: {out['determinism']}")
         engine.release_catalog(rt)
-        prompt = (rt.prefix_ids, [(engine.suffix_ids(rt, q.intent, q.k), q.k) for q in queries])
+        prompt = (rt.prefix_ids, [(engine.request_ids(rt, engine.retrieve(rt, q.intent, q.k), q.intent, q.k), q.k)
+                                  for q in queries])
         return out, [r["names"] for r in solo], prompt
     finally:
         driver.close()
@@ -174,7 +213,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, queries, det_seconds: float) -> dict:
 
 def run_peer(cfg, weights, tok, runs: dict, peer_rows: int, saved=lambda out: None) -> dict:
     """The peer on the same prompt tokens as tooltrie's runs: {workload: (trie, prompt, tooltrie's names)}
-    with prompt = (prefix_ids, [(suffix_ids, k)]). One compiled peer per row count serves every workload;
+    with prompt = (prefix_ids, [(request_ids, k)]). One compiled peer per row count serves every workload;
     `saved(results so far)` after each (a run cut short keeps the concurrency-1 figures)."""
     import torch
 
@@ -182,14 +221,14 @@ def run_peer(cfg, weights, tok, runs: dict, peer_rows: int, saved=lambda out: No
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     max_len = 0
     for trie, (prefix_ids, suffixes), _ in runs.values():
-        per_pointer = CatalogRuntime.from_trie(trie, tok, BLOCK).max_output_tokens_per_pointer + 8
+        per_pointer = CatalogRuntime.from_trie(trie, None, tok, BLOCK).max_output_tokens_per_pointer + 8
         max_len = max(max_len, round_len(len(prefix_ids) + max(len(s) + k * per_pointer for s, k in suffixes)))
     out = {name: {"max_len": max_len} for name in runs}
     for rows in (1, peer_rows):
         started = time.perf_counter()
         peer = Peer(cfg, weights, rows, max_len)
         for name, (trie, (prefix_ids, suffixes), ours) in runs.items():
-            template = CatalogRuntime.from_trie(trie, tok, BLOCK).template
+            template = CatalogRuntime.from_trie(trie, None, tok, BLOCK).template
             stop_id = tok.single_token(template.stop_token, "stop token")
             warm = peer.load_catalog(tok.tokenizer, trie.pointer_names, template.separator, stop_id, prefix_ids)
             t_warm = time.perf_counter()
@@ -262,6 +301,7 @@ def main() -> None:
     p.add_argument("--rows", default="1,16,64,256", help="batch sizes of the decode-step table")
     p.add_argument("--det-seconds", type=float, default=150)
     p.add_argument("--peer-rows", type=int, default=32)
+    p.add_argument("--retrieval-tools", type=int, default=100_000, help="catalog size of the retrieval table (0: none)")
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--out", default=str(ROOT / "bench" / "results"))
     p.add_argument("--merge", action="store_true",
@@ -286,6 +326,9 @@ def main() -> None:
         log("the peer needs torch and xgrammar (pip install '.[bench]'): skipped")
     rows_list = [int(r) for r in args.rows.split(",")]
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
+    encoder = load_encoder(DEFAULT_ENCODER_DIR, "cuda" if gpu else "cpu")
+    if args.retrieval_tools:
+        res["retrieval"] = retrieval_table(tok, encoder, next(iter(workloads.values()))[1], args.retrieval_tools)
     for si, shape in enumerate(args.shapes.split(",")):
         cfg, weights, what = model_for(shape, gpu)
         entry = {"args": vars(args), "started": res["started"], "weights": what, "weight_bytes": weights.nbytes(),
@@ -304,7 +347,7 @@ def main() -> None:
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
-            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, queries, det)
+            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours,
                                         "run": {"started": res["started"], "args": vars(args)}}

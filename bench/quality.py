@@ -27,8 +27,7 @@ from decoder_service.model.backend import make_backend, resolve_backend, weights
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, tool_texts, top_n, \
-    vectors_blob, vectors_from_blob
+from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors, top_n
 from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
@@ -75,8 +74,7 @@ class Harness:
         trie = compile_catalog(parse_registry(dataset.catalog_path(name).read_text()), self.tok)
         trie.meta.update(name=name, version=1)
         started = time.perf_counter()
-        blob = vectors_blob(self.encoder.encode(tool_texts(trie)), trie.meta["content_hash"], self.encoder.digest)
-        vectors = vectors_from_blob(blob, trie, self.encoder.digest, self.encoder.dim)
+        vectors, _ = computed_vectors(trie, self.encoder)
         vectors_s = time.perf_counter() - started
         retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder)
         queries = sample(dataset.queries(name, split), n)

@@ -63,6 +63,13 @@ def markdown(res: dict) -> str:
         lines += [f"Device memory in use after the {shape} runs: {e['device_memory_used_gib']:.1f} GiB (tooltrie's "
                   f"weights, KV pool and step buffers, and the peer's CUDA context where it ran)."
                   for shape, e in steps if "device_memory_used_gib" in e] + [""]
+    r = res.get("retrieval")
+    if r:
+        lines += ["## Retrieval (the first stage alone, concurrency 1)", "",
+                  f"{r['tools']:,} tools: compiled in {r['compile_s']:.1f} s, tool vectors in {r['tool_vectors_s']:.1f} s; "
+                  f"a shortlist of 20 (encode the intent, BM25, fused top 20): p50 {r['shortlist']['p50_ms']:.3f} ms, "
+                  f"p90 {r['shortlist']['p90_ms']:.3f} ms, of which encoding the intent p50 "
+                  f"{r['encode_intent']['p50_ms']:.3f} ms.", ""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",
               "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
               "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",

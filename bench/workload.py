@@ -1,10 +1,10 @@
 """The benchmark's workloads and how tooltrie serves them: queries, catalogs, and the engine driver.
 
-MetaTool: the 199-tool catalog under the product's default prompt (every tool listed with its
-description: a 4,955-token prefix with SmolLM2's tokenizer), and 469 dev queries: the first 279 with
-k=1 and all 190 with k=2, in file order. Seal-Tools: 4,076 tools, a trie too big for constant memory
-(the global-memory path); its listing would be ~100k tokens, past any of these models' contexts, so
-its prompt names no tools and the trie alone carries the catalog; the first 469 dev queries.
+Both under the product's prompt (each request lists its retrieved shortlist of 20 tools, then the intent).
+MetaTool: the 199-tool catalog and 469 dev queries: the first 279 with k=1 and all 190 with k=2, in file
+order. Seal-Tools: 4,076 tools, a trie too big for constant memory (the global-memory path); the first 469
+dev queries. `large_catalog(n)`: n tools made of the three data sets' tools (names suffixed past the
+first copy), for the retrieval stage at 100,000 tools.
 """
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from pathlib import Path
 from compiler_service.compiler import compile_catalog
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import parse_registry
-from shared.prompt import PromptTemplate, default_template
 
 ROOT = Path(__file__).resolve().parents[1]
 N_QUERIES = 469
@@ -51,14 +50,19 @@ def metatool_queries(lines: list[dict], n_single: int = 279) -> list[Query]:
     return out
 
 
-def no_listing_template(tok) -> PromptTemplate:
-    """The default chat prompt without the tool list: the trie alone carries a catalog too big to list."""
-    start, end, stop = tok.chat_format()
-    prefix = (start.format(role="system") + "You route user requests to the tools of a large registry." + end
-              + start.format(role="user"))
-    return PromptTemplate(prefix=prefix, suffix="{intent}\n\nReply with exactly {k} tool name(s), one per line, "
-                          "most relevant first, and nothing else." + end + start.format(role="assistant"),
-                          separator="\n", stop_token=stop)
+def large_catalog(n: int) -> list[dict]:
+    """n distinct tools from the three data sets' catalogs, repeated with suffixed names past the first copy."""
+    base = [t for name in ("metatool", "toolbench", "bigcatalog")
+            for t in json.loads((data_dir() / name / "catalog.json").read_text())]
+    tools, seen, copy = [], set(), 0
+    while len(tools) < n:
+        for t in base:
+            name = t["name"] if copy == 0 else f"{t['name']}_{copy}"
+            if name.casefold() not in seen and len(tools) < n:
+                seen.add(name.casefold())
+                tools.append({"name": name, "description": t.get("description", "")})
+        copy += 1
+    return tools
 
 
 def load_workload(name: str, tok, n: int = N_QUERIES):
@@ -67,11 +71,10 @@ def load_workload(name: str, tok, n: int = N_QUERIES):
     folder = {"metatool": "metatool", "sealtools": "bigcatalog"}[name]
     catalog = parse_registry((d / folder / "catalog.json").read_text())
     lines = [json.loads(line) for line in (d / folder / "dev_queries.jsonl").open()]
+    trie = compile_catalog(catalog, tok)
     if name == "metatool":
-        trie = compile_catalog(catalog, tok, default_template(catalog, *tok.chat_format()))
         queries = metatool_queries(lines)[:n]
     else:
-        trie = compile_catalog(catalog, tok, no_listing_template(tok))
         queries = [Query(q["query"], len(q["tools"])) for q in lines[:n]]
     trie.meta.update(name=name, version=1)
     return trie, queries
@@ -87,9 +90,9 @@ class EngineDriver:
     def close(self):
         self.engine.stop()
 
-    def warm(self, trie):
+    def warm(self, trie, retriever):
         started = time.perf_counter()
-        rt = self.engine.load_catalog(trie)
+        rt = self.engine.load_catalog(trie, retriever)
         rt.ready.wait()
         return rt, time.perf_counter() - started
 

@@ -19,7 +19,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
-from decoder_service.retrieval import Retriever, bm25_index, tool_texts, vectors_blob, vectors_from_blob
+from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_from_blob
 from shared.store import CatalogStore, NotFound
 from shared.trie import Trie
 
@@ -140,9 +140,7 @@ class CatalogManager:
             log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
         if vectors is None:
             started = time.perf_counter()
-            # through the stored form (float16), so that a version answers the same whichever replica computed it
-            blob = vectors_blob(self.encoder.encode(tool_texts(trie)), trie.meta["content_hash"], digest)
-            vectors = vectors_from_blob(blob, trie, digest, self.encoder.dim)
+            vectors, blob = computed_vectors(trie, self.encoder)
             VECTORS.labels("computed").inc()
             log.info("%s v%d: %d tool vectors computed in %.2f s", name, version, n, time.perf_counter() - started)
             try:

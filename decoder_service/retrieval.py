@@ -61,6 +61,13 @@ def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) ->
     return vectors.astype(np.float32)
 
 
+def computed_vectors(trie: Trie, encoder) -> tuple[np.ndarray, bytes]:
+    """(vectors, blob): the version's tool vectors computed now, returned through their stored form (float16)
+    so that a version answers the same whichever replica computed them, and the blob to store."""
+    blob = vectors_blob(encoder.encode(tool_texts(trie)), trie.meta["content_hash"], encoder.digest)
+    return vectors_from_blob(blob, trie, encoder.digest, encoder.dim), blob
+
+
 class Retriever:
     """One catalog version's first stage: its BM25 index, and its tool vectors with the encoder for intents
     (without an encoder, BM25 alone)."""

@@ -188,10 +188,7 @@ class DecodeEngine:
             shortlist = self.retrieve(catalog, intent, k, allow)
         if timeout is not None and timeout <= 0:
             raise Expired("the request's deadline passed before it was queued")
-        ids = [int(i) for i in shortlist.ids]
-        names = [catalog.trie.pointer_names[i] for i in ids]
-        prompt = catalog.prefix_ids + catalog.template.request_ids(self.tok, names, [catalog.descriptions[i] for i in ids],
-                                                                   intent, k)
+        prompt = catalog.prefix_ids + self.request_ids(catalog, shortlist, intent, k)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
         weight = np.float32(self.config.fusion_weight)
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
@@ -210,6 +207,13 @@ class DecodeEngine:
             self._inbox.append(("submit", seq))
             self._wake.notify()
         return seq
+
+    def request_ids(self, catalog: CatalogRuntime, shortlist: Shortlist, intent: str, k: int) -> list[int]:
+        """The request's own prompt tokens after the version's prefix: its shortlist in retrieval order,
+        then the intent and k."""
+        ids = [int(i) for i in shortlist.ids]
+        return catalog.template.request_ids(self.tok, [catalog.trie.pointer_names[i] for i in ids],
+                                            [catalog.descriptions[i] for i in ids], intent, k)
 
     def queue_depth(self) -> int:
         """Requests submitted and not yet admitted (catalog warm-ups do not count)."""
