@@ -304,3 +304,35 @@ def test_sparse_and_dense_heads_agree_on_every_shared_catalog(backend, tok, name
         results[head] = [answer(s)[:2] for s in seqs]
     assert results["sparse"] == results["dense"]
     assert all(len(set(names)) == len(q["tools"]) for (names, _), q in zip(results["sparse"], queries))
+
+
+def test_a_large_fusion_weight_answers_in_retrieval_order(backend, tok, catalog):
+    """The answer's order fuses the generator with retrieval: at a weight far above any logit gap the k
+    names are the shortlist's first k, whatever the (random) generator prefers; at 0 the generator alone."""
+    fused = make_engine(backend, tok, NUM_BLOCKS, fusion_weight=1000.0)
+    rt = fused.load_catalog(catalog.trie)
+    fused.run_until_idle()
+    plain = make_engine(backend, tok, NUM_BLOCKS)
+    rt0 = plain.load_catalog(catalog.trie)
+    plain.run_until_idle()
+    differ = 0
+    for intent in INTENTS:
+        shortlist = fused.retrieve(rt, intent, 3)
+        seq = fused.submit(rt, intent, 3, shortlist=shortlist)
+        seq0 = plain.submit(rt0, intent, 3, shortlist=shortlist)
+        fused.run_until_idle()
+        plain.run_until_idle()
+        names = answer(seq)[0]
+        assert names == [rt.trie.pointer_names[i] for i in shortlist.ids[:3]]
+        differ += answer(seq0)[0] != names
+    assert differ > 0   # the generator alone orders them otherwise
+
+
+def test_edge_prior_is_the_best_prior_left_below_an_edge():
+    allow = np.asarray([2, 5, 7, 9], np.int32)
+    prior = np.asarray([-3.0, -1.0, -0.0, -2.0], np.float32)
+    emitted = np.asarray([7, -1], np.int32)
+    assert sampler.edge_prior(0, 10, emitted, 0, allow, prior) == 0.0
+    assert sampler.edge_prior(0, 10, emitted, 1, allow, prior) == -1.0   # 7 was emitted
+    assert sampler.edge_prior(6, 10, emitted, 1, allow, prior) == -2.0
+    assert sampler.edge_prior(3, 5, emitted, 0, allow, prior) == -np.inf
