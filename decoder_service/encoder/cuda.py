@@ -1,0 +1,403 @@
+"""The CUDA encoder: numba.cuda kernels for the BERT forward pass, launched by the generator's launcher.
+
+Texts are packed end to end (no padding); a chunk of texts is 2 + 7 * layers launches: embedding +
+LayerNorm, then per layer the q|k|v GEMM, attention, the output GEMM (+ residual), LayerNorm, the
+feed-forward GEMM (+ GELU), the second GEMM (+ residual), LayerNorm; then mean pooling + L2 norm. The
+launches are raw cuLaunchKernel calls on prepacked parameters (launcher.Launch); a single text (a
+query) replays a CUDA graph captured once per token count, copies in and out included.
+
+Weights are stored in float16 (matrices transposed to [K, N], embedding tables as they are),
+activations and every sum in float32.
+
+Determinism by construction: every output of every GEMM is the same arithmetic whichever kernel
+computes it and whatever the other rows are: K is cut into segments of SEG; each segment's products
+are accumulated from zero in ascending k with fma; the segments' partial sums are added in ascending
+order; then bias and epilogue. k_gemm_tile (shared-memory tiles, for many rows) and k_gemm_seg
+(segments spread over threads, for a few rows) both do exactly that. Attention and pooling read only
+their own text's rows, keys in ascending order, and LayerNorm and pooling use fixed reduction trees.
+So a text's vector is bit-identical alone, in any batch and at any place in it.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+from decoder_service.model.config import ModelError
+from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
+from decoder_service.model.cuda.kernels import SIM, WARP, block_max, block_sum, ldf
+from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
+
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+
+from .config import MAX_TOKENS, EncoderConfig  # noqa: E402
+from .packing import chunks  # noqa: E402
+from .weights import EncoderWeights  # noqa: E402
+
+# Under the simulator (one Python thread per CUDA thread) every block is a few threads wide, so the
+# multi-thread and multi-warp paths still run on tiny models.
+SEG = 8 if SIM else 32            # K segment: one fma chain (see the module docstring); k_gemm_tile's K tile
+TT = 4 if SIM else 16             # k_gemm_tile: threads per side of the block
+TM = 2 if SIM else 4              # k_gemm_tile: rows (and columns) per thread
+BM = TT * TM                      # k_gemm_tile: rows (and columns) per block
+COLS = 4 if SIM else 32           # k_gemm_seg: columns per block (one per thread of a segment group)
+MS = 2 if SIM else 4              # k_gemm_seg: rows per block
+MAX_SEGS = 8 if SIM else 48       # k_gemm_seg: segments of K (K <= MAX_SEGS * SEG)
+SEG_THREADS = 2 if SIM else 16    # k_gemm_seg: most segment groups per block
+ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks
+ATTN_THREADS = WARP               # attention: one warp per (row, head)
+MAX_H = 1024                      # hidden size bound (a row staged in shared memory)
+SMALL_ROWS = 64                   # chunks of at most this many rows run their GEMMs in k_gemm_seg
+CHUNK_TOKENS = 16384              # token rows per forward pass (activations ~ 15 KB a row)
+GRAPHS = 64                       # captured single-text graphs kept (one per token count)
+
+MODE_PLAIN, MODE_GELU, MODE_RESIDUAL = 0, 1, 2
+
+
+@cuda.jit(device=True, inline="always")
+def epilogue(v, res, idx, mode):
+    """A GEMM output after its bias: as is, GELU (exact erf form), or plus the residual res[idx]."""
+    if mode == MODE_GELU:
+        return nb_f32(0.5) * v * (nb_f32(1.0) + math.erf(v * nb_f32(0.7071067811865476)))
+    if mode == MODE_RESIDUAL:
+        return v + res[idx]
+    return v
+
+
+@cuda.jit(cache=True)
+def k_gemm_tile(a, W, bias, res, out, M, K, N, mode):
+    """out[M, N] = epilogue(a[M, K] @ W[K, N] + bias): a BM x BM block tile, TM x TM outputs a thread,
+    K in shared-memory tiles of SEG. Grid (N / BM, ceil(M / BM)), block TT * TT."""
+    a_s = cuda.shared.array(SEG * (BM + 1), nb_f32)      # [k][m], padded: conflict-free stores
+    w_s = cuda.shared.array(SEG * BM, nb_f32)            # [k][n]
+    acc = cuda.local.array(TM * TM, nb_f32)
+    part = cuda.local.array(TM * TM, nb_f32)
+    av = cuda.local.array(TM, nb_f32)
+    wv = cuda.local.array(TM, nb_f32)
+    tid = cuda.threadIdx.x
+    tx, ty = tid % TT, tid // TT
+    m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BM
+    for i in range(TM * TM):
+        acc[i] = 0
+    for k0 in range(0, K, SEG):
+        for e in range(tid, BM * SEG, TT * TT):
+            r, c = e // SEG, e % SEG
+            a_s[c * (BM + 1) + r] = a[min(m0 + r, M - 1) * K + k0 + c]
+        for e in range(tid, BM * SEG, TT * TT):
+            r, c = e // BM, e % BM
+            w_s[r * BM + c] = ldf(W, (k0 + r) * N + n0 + c)
+        cuda.syncthreads()
+        for i in range(TM * TM):
+            part[i] = 0
+        for kk in range(SEG):
+            for i in range(TM):
+                av[i] = a_s[kk * (BM + 1) + ty + TT * i]
+                wv[i] = w_s[kk * BM + tx + TT * i]
+            for i in range(TM):
+                for j in range(TM):
+                    part[i * TM + j] = cuda.fma(av[i], wv[j], part[i * TM + j])
+        for i in range(TM * TM):
+            acc[i] += part[i]
+        cuda.syncthreads()
+    for i in range(TM):
+        m = m0 + ty + TT * i
+        if m < M:
+            for j in range(TM):
+                n = n0 + tx + TT * j
+                idx = m * N + n
+                out[idx] = epilogue(acc[i * TM + j] + bias[n], res, idx, mode)
+
+
+@cuda.jit(cache=True)
+def k_gemm_seg(a, W, bias, res, out, M, K, N, mode):
+    """The same outputs as k_gemm_tile, bit for bit, for a few rows: a block owns MS rows x COLS
+    columns and spreads K's segments over its threads (thread (g, c): column c, segments g, g + G, ...),
+    then adds each output's segment sums in ascending order. Grid (N / COLS, ceil(M / MS)), block COLS * G."""
+    sums = cuda.shared.array(MAX_SEGS * MS * COLS, nb_f32)   # [segment][row][column]
+    part = cuda.local.array(MS, nb_f32)
+    tid = cuda.threadIdx.x
+    c, g, groups = tid % COLS, tid // COLS, cuda.blockDim.x // COLS
+    n = cuda.blockIdx.x * COLS + c
+    m0 = cuda.blockIdx.y * MS
+    nseg = K // SEG
+    for s in range(g, nseg, groups):
+        for i in range(MS):
+            part[i] = 0
+        for kk in range(SEG):
+            k = s * SEG + kk
+            w = ldf(W, k * N + n)
+            for i in range(MS):
+                part[i] = cuda.fma(a[min(m0 + i, M - 1) * K + k], w, part[i])
+        for i in range(MS):
+            sums[(s * MS + i) * COLS + c] = part[i]
+    cuda.syncthreads()
+    for e in range(tid, MS * COLS, cuda.blockDim.x):
+        i, cc = e // COLS, e % COLS
+        m = m0 + i
+        if m < M:
+            acc = nb_f32(0)
+            for s in range(nseg):
+                acc += sums[(s * MS + i) * COLS + cc]
+            nn = cuda.blockIdx.x * COLS + cc
+            idx = m * N + nn
+            out[idx] = epilogue(acc + bias[nn], res, idx, mode)
+
+
+@cuda.jit(device=True, inline="always")
+def layer_norm_staged(xs, s, H, gamma, beta, eps, out, base, tid, T, red):
+    """out[base + c] = LayerNorm of the row whose values this thread staged in xs[c] (c = tid, tid + T,
+    ...) and summed into s; fixed trees, the same for every row."""
+    nw = T // WARP
+    mean = block_sum(s, red, tid, nw) / nb_f32(H)
+    q = nb_f32(0)
+    for c in range(tid, H, T):
+        d = xs[c] - mean
+        q += d * d
+    var = block_sum(q, red, tid, nw) / nb_f32(H)
+    inv = nb_f32(1.0) / math.sqrt(var + eps)
+    for c in range(tid, H, T):
+        out[base + c] = (xs[c] - mean) * inv * gamma[c] + beta[c]
+
+
+@cuda.jit(cache=True)
+def k_embed(meta, M, word, pos, type0, gamma, beta, eps, H, out):
+    """out[row] = LayerNorm(word[id] + pos[position in its text] + type0). Grid M."""
+    xs = cuda.shared.array(MAX_H, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    tok = meta[row]
+    p = row - meta[2 * M + 2 * meta[M + row]]
+    s = nb_f32(0)
+    for c in range(tid, H, T):
+        v = ldf(word, tok * H + c) + ldf(pos, p * H + c) + type0[c]
+        xs[c] = v
+        s += v
+    layer_norm_staged(xs, s, H, gamma, beta, eps, out, row * H, tid, T, red)
+
+
+@cuda.jit(cache=True)
+def k_layernorm(x, gamma, beta, eps, H, out):
+    """out[row] = LayerNorm(x[row]). Grid M."""
+    xs = cuda.shared.array(MAX_H, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    s = nb_f32(0)
+    for c in range(tid, H, T):
+        v = x[row * H + c]
+        xs[c] = v
+        s += v
+    layer_norm_staged(xs, s, H, gamma, beta, eps, out, row * H, tid, T, red)
+
+
+@cuda.jit(cache=True)
+def k_attention(qkv, meta, M, nh, hd, scale, out):
+    """Bidirectional attention of one row and one head over its own text's rows (keys ascending).
+    qkv rows are query | key | value, heads contiguous. Grid (M, nh), block one warp."""
+    sc = cuda.shared.array(MAX_TOKENS, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    row, h, tid, T = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
+    t = meta[M + row]
+    s0, L = meta[2 * M + 2 * t], meta[2 * M + 2 * t + 1]
+    H = nh * hd
+    qb = row * 3 * H + h * hd
+    mx = nb_f32(-math.inf)
+    for j in range(tid, L, T):
+        kb = (s0 + j) * 3 * H + H + h * hd
+        s = nb_f32(0)
+        for d in range(hd):
+            s = cuda.fma(qkv[qb + d], qkv[kb + d], s)
+        s *= scale
+        sc[j] = s
+        mx = max(mx, s)
+    mx = block_max(mx, red, tid, T // WARP)
+    total = nb_f32(0)
+    for j in range(tid, L, T):
+        e = math.exp(sc[j] - mx)
+        sc[j] = e
+        total += e
+    total = block_sum(total, red, tid, T // WARP)     # its barrier also publishes sc
+    for d in range(tid, hd, T):
+        acc = nb_f32(0)
+        vb = s0 * 3 * H + 2 * H + h * hd + d
+        for j in range(L):
+            acc = cuda.fma(sc[j], qkv[vb + j * 3 * H], acc)
+        out[row * H + h * hd + d] = acc / total
+
+
+@cuda.jit(cache=True)
+def k_pool(x, meta, M, H, out):
+    """out[t] = mean of text t's rows (ascending), divided by its L2 norm (at least 1e-12). Grid texts."""
+    xs = cuda.shared.array(MAX_H, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    t, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    s0, L = meta[2 * M + 2 * t], meta[2 * M + 2 * t + 1]
+    q = nb_f32(0)
+    for c in range(tid, H, T):
+        acc = nb_f32(0)
+        for r in range(L):
+            acc += x[(s0 + r) * H + c]
+        v = acc / nb_f32(L)
+        xs[c] = v
+        q += v * v
+    norm = max(math.sqrt(block_sum(q, red, tid, T // WARP)), nb_f32(1e-12))
+    for c in range(tid, H, T):
+        out[t * H + c] = xs[c] / norm
+
+
+def _signatures() -> dict:
+    from numba.cuda import types as t
+    f32, i32, W = t.Array(t.float32, 1, "C"), t.int32, t.Array(t.float16, 1, "C")
+    ai = t.Array(t.int32, 1, "C")
+    gemm = (f32, W, f32, f32, f32, i32, i32, i32, i32)
+    return {"k_gemm_tile": (k_gemm_tile, gemm), "k_gemm_seg": (k_gemm_seg, gemm),
+            "k_embed": (k_embed, (ai, i32, W, W, f32, f32, f32, t.float32, i32, f32)),
+            "k_layernorm": (k_layernorm, (f32, f32, f32, t.float32, i32, f32)),
+            "k_attention": (k_attention, (f32, ai, i32, i32, i32, t.float32, f32)),
+            "k_pool": (k_pool, (f32, ai, i32, i32, f32))}
+
+
+def stored_weights(w: EncoderWeights) -> EncoderWeights:
+    """The weights as this backend holds them (matrices and embedding tables rounded to float16), for
+    checking it against the float64 reference on the same values."""
+    half = {"word", "position", "wqkv", "wo", "w1", "w2"}
+    return EncoderWeights(**{k: (v.astype(np.float16).astype(np.float32) if k in half else v)
+                             for k, v in vars(w).items()})
+
+
+class CudaEncoder:
+    """embed(token id arrays) -> [n, H] float32 unit vectors, on the GPU (or numba's simulator)."""
+
+    def __init__(self, cfg: EncoderConfig, weights: EncoderWeights, chunk_tokens: int = CHUNK_TOKENS,
+                 small_rows: int = SMALL_ROWS, graphs: int = GRAPHS):
+        H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+        for what, k in (("hidden_size", H), ("intermediate_size", I)):
+            if k % BM or k % SEG or k // SEG > MAX_SEGS:
+                raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {BM} and at most "
+                                 f"{MAX_SEGS * SEG}")
+        if H > MAX_H or chunk_tokens < cfg.max_seq_length:
+            raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
+                             f"max_seq_length {cfg.max_seq_length}")
+        self.cfg, self.chunk_tokens, self.small_rows, self.max_graphs = cfg, chunk_tokens, small_rows, graphs
+        self._lock = threading.Lock()
+        self._threads = set()
+        self.stream = Stream()
+        R = B = chunk_tokens
+        dev = cuda.to_device
+        f16 = lambda a: dev(np.ascontiguousarray(a, np.float16).reshape(-1))  # noqa: E731
+        f32 = lambda a: dev(np.ascontiguousarray(a, np.float32).reshape(-1))  # noqa: E731
+        t = lambda a: a.transpose(0, 2, 1)   # noqa: E731  [L, N, K] -> [L, K, N]
+        self.word, self.pos, self.type0 = f16(weights.word), f16(weights.position), f32(weights.token_type)
+        self.emb_norm = f32(weights.emb_norm_w), f32(weights.emb_norm_b)
+        mats = {"qkv": (t(weights.wqkv), weights.bqkv), "o": (t(weights.wo), weights.bo),
+                "w1": (t(weights.w1), weights.b1), "w2": (t(weights.w2), weights.b2)}
+        self.mats = {k: (f16(w), f32(b)) for k, (w, b) in mats.items()}
+        self.norms = {"attn": (f32(weights.attn_norm_w), f32(weights.attn_norm_b)),
+                      "ffn": (f32(weights.ffn_norm_w), f32(weights.ffn_norm_b))}
+        self.x, self.y = cuda.device_array(R * H, np.float32), cuda.device_array(R * H, np.float32)
+        self.ctx = cuda.device_array(R * H, np.float32)
+        self.qkv = cuda.device_array(R * 3 * H, np.float32)
+        self.inter = cuda.device_array(R * I, np.float32)
+        self.meta = cuda.device_array(2 * R + 2 * B, np.int32)   # ids | row -> text | (start, len) a text
+        self.emb = cuda.device_array(B * H, np.float32)
+        pin = np.zeros if SIM else cuda.pinned_array
+        self.meta_host, self.emb_host = pin(2 * R + 2 * B, np.int32), pin(B * H, np.float32)
+        self.rows = Scalar(ctypes.c_int32)            # M: the chunk's token rows
+        self.graphs: OrderedDict[int, Graph] = OrderedDict()
+        self._build_launches()
+
+    def _build_launches(self) -> None:
+        cfg, st = self.cfg, self.stream.handle
+        H, I, nh, eps = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.layer_norm_eps
+        k = {name: Kernel(name, dispatcher=f, argtypes=a) for name, (f, a) in _signatures().items()}
+        M = self.rows
+        self.l_embed = Launch(k["k_embed"], ROW_THREADS, 0, [self.meta, M, self.word, self.pos, self.type0,
+                                                             *self.emb_norm, eps, H, self.x], st)
+        self.l_pool = Launch(k["k_pool"], ROW_THREADS, 0, [self.x, self.meta, M, H, self.emb], st)
+        self.layers = []
+        for layer in range(cfg.num_layers):
+            def gemm(name, a, out, K, N, mode, res):
+                w, b = self.mats[name]
+                args = [a, w[layer * K * N:(layer + 1) * K * N], b[layer * N:(layer + 1) * N], res, out, M, K, N,
+                        mode]
+                groups = min(K // SEG, SEG_THREADS)
+                return (Launch(k["k_gemm_tile"], TT * TT, 0, args, st, f"{name}/tile"),
+                        Launch(k["k_gemm_seg"], COLS * groups, 0, args, st, f"{name}/seg"), N)
+
+            def norm(name, x, out):
+                g, b = self.norms[name]
+                return Launch(k["k_layernorm"], ROW_THREADS, 0,
+                              [x, g[layer * H:(layer + 1) * H], b[layer * H:(layer + 1) * H], eps, H, out], st)
+
+            attn = Launch(k["k_attention"], ATTN_THREADS, 0,
+                          [self.qkv, self.meta, M, nh, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim), self.ctx], st)
+            self.layers.append([gemm("qkv", self.x, self.qkv, H, 3 * H, MODE_PLAIN, self.x), ("attn", attn),
+                                gemm("o", self.ctx, self.y, H, H, MODE_RESIDUAL, self.x), norm("attn", self.y, self.x),
+                                gemm("w1", self.x, self.inter, H, I, MODE_GELU, self.x),
+                                gemm("w2", self.inter, self.y, I, H, MODE_RESIDUAL, self.x),
+                                norm("ffn", self.y, self.x)])
+
+    def launches_per_chunk(self) -> int:
+        return 2 + sum(len(ops) for ops in self.layers)
+
+    def _enqueue(self, M: int, B: int) -> None:
+        """Copy the staged inputs, run the forward pass over M rows of B texts, copy the vectors back
+        (all asynchronous on the stream; capturable)."""
+        self.rows.value = M
+        s = self.stream
+        s.h2d(self.meta, self.meta_host, 2 * M + 2 * B)
+        self.l_embed.launch(M)
+        small = M <= self.small_rows
+        for ops in self.layers:
+            for op in ops:
+                if isinstance(op, Launch):
+                    op.launch(M)
+                elif op[0] == "attn":
+                    op[1].launch(M, self.cfg.num_heads)
+                elif small:
+                    op[1].launch(op[2] // COLS, -(-M // MS))
+                else:
+                    op[0].launch(op[2] // BM, -(-M // BM))
+        self.l_pool.launch(B)
+        s.d2h(self.emb_host, self.emb, B * self.cfg.hidden_size)
+
+    def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int]:
+        lens = np.array([len(q) for q in seqs], np.int32)
+        if lens.min() < 1 or lens.max() > self.cfg.max_seq_length:
+            raise ValueError(f"token counts must be 1..{self.cfg.max_seq_length}")
+        M, B = int(lens.sum()), len(seqs)
+        m = self.meta_host
+        m[:M] = np.concatenate(seqs)
+        m[M:2 * M] = np.repeat(np.arange(B, dtype=np.int32), lens)
+        m[2 * M:2 * M + 2 * B] = np.stack([np.cumsum(lens) - lens, lens], axis=1).reshape(-1)
+        return M, B
+
+    def _graph(self, M: int) -> Graph:
+        """The captured forward pass of one text of M tokens (least recently used ones are dropped)."""
+        g = self.graphs.pop(M, None)
+        if g is None:
+            g = Graph(self.stream, lambda: self._enqueue(M, 1))
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
+        self.graphs[M] = g
+        return g
+
+    def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
+        H = self.cfg.hidden_size
+        out = np.zeros((len(seqs), H), np.float32)
+        with self._lock:
+            if not SIM and threading.get_ident() not in self._threads:
+                cuda.current_context()     # the raw driver calls need the context current in this thread
+                self._threads.add(threading.get_ident())
+            for a, b in chunks(seqs, self.chunk_tokens):
+                M, B = self._stage(seqs[a:b])
+                if B == 1 and self.max_graphs:
+                    self._graph(M).replay()
+                else:
+                    self._enqueue(M, B)
+                self.stream.synchronize()
+                out[a:b] = self.emb_host[:B * H].reshape(B, H)
+        return out
