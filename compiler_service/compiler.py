@@ -23,7 +23,7 @@ def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id
     decoded = tok.tokenizer.decode_batch(bodies, skip_special_tokens=False)
     special = tok.special_ids
     for i, (name, ctx, body, text) in enumerate(zip(names, contexts, bodies, decoded)):
-        where = f"tool #{i} ({name!r})"
+        where = f"tool #{i} ({name[:80]!r})"
         if name != name.rstrip():
             raise CatalogError(f"{where}: the name ends with whitespace, which merges with the separator")
         if len(ctx.ids) < 2 or ctx.ids[0] != sep_id or ctx.ids[-1] != sep_id:
@@ -34,7 +34,7 @@ def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id
             raise CatalogError(f"{where}: the name contains a special token of the tokenizer")
         if text != name:
             raise CatalogError(f"{where}: the tokenizer cannot represent the name exactly "
-                               f"(it comes back as {text!r})")
+                               f"(it comes back as {text[:80]!r})")
     return bodies
 
 

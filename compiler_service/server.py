@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 from prometheus_client import Histogram
 
@@ -13,7 +14,8 @@ from compiler_service.compiler import compile_catalog
 from shared.catalog import check_catalog_name, parse_registry
 from shared.config import Settings
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
-from shared.serving import make_server, rpc, set_serving, setup_logging, start_metrics, wait_for_termination
+from shared.serving import (Credentials, Guard, Rule, follow_redis, make_server, rpc, server_credentials,
+                            setup_logging, start_metrics, wait_for_termination)
 from shared.store import CatalogStore, VersionInfo
 from shared.tokenizer import ModelTokenizer
 from shared.trie import read_blob_metadata
@@ -76,20 +78,49 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
         return pb.SetLatestResponse(version=version_message(info))
 
 
+def _name(request) -> None:
+    check_catalog_name(request.name)
+
+
+def _version(request) -> None:
+    check_catalog_name(request.name)
+    if request.version < 1:
+        raise ValueError(f"version must be at least 1, got {request.version}")
+
+
+def guard(settings: Settings) -> Guard:
+    """Publish, SetLatest and blob reads (GetCatalog with include_blob) need the publish credentials
+    (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set; names are checked
+    before anything touches Redis."""
+    creds = Credentials([settings.publish_token], settings.publish_identities)
+    method = f"/{SERVICE}/"
+    return Guard({method + "Publish": Rule(_name, creds),
+                  method + "SetLatest": Rule(_version, creds),
+                  method + "GetCatalog": Rule(_name, creds, protected=lambda r: r.include_blob),
+                  method + "ListVersions": Rule(_name)})
+
+
 def serve(settings: Settings | None = None) -> None:
     settings = settings or Settings()
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
     tokenizer = ModelTokenizer(settings.model_dir)
-    store = CatalogStore.from_url(settings.redis_url, settings.namespace, settings.keep_versions)
+    store = CatalogStore.from_settings(settings)
     servicer = CompilerServicer(tokenizer, store, settings)
+    credentials = server_credentials(settings)
     server, health = make_server(settings.compiler_addr,
-                                 lambda s: pb_grpc.add_CompilerServiceServicer_to_server(servicer, s), [SERVICE])
-    start_metrics(settings.metrics_port)
+                                 lambda s: pb_grpc.add_CompilerServiceServicer_to_server(servicer, s), [SERVICE],
+                                 credentials=credentials, reflection_on=settings.reflection,
+                                 interceptors=[guard(settings)])
+    start_metrics(settings.metrics_port, settings.metrics_host)
     server.start()
-    set_serving(health, [SERVICE], True)
-    log.info("compiler listening on %s (model %s)", settings.compiler_addr, settings.model_dir)
-    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds)
+    if not (settings.publish_token or settings.publish_identities):
+        log.warning("publishing is open to every caller: set TOOLTRIE_PUBLISH_TOKEN (docs/deploy.md)")
+    stop = threading.Event()   # health follows Redis: NOT_SERVING while it is unreachable
+    threading.Thread(target=follow_redis, args=(store.r.ping, health, [SERVICE], stop), daemon=True).start()
+    log.info("compiler listening on %s (%s; model %s)", settings.compiler_addr, "TLS" if credentials else "plaintext",
+             settings.model_dir)
+    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=stop.set)
 
 
 if __name__ == "__main__":

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import socket
 import threading
 import time
+import uuid
 from collections import Counter
 
 import redis
@@ -20,31 +23,78 @@ from prometheus_client import Counter as MetricCounter, Gauge
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
 from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_from_blob
-from shared.store import CatalogStore, NotFound
-from shared.trie import Trie
+from shared.store import BlobRejected, CatalogStore, NotFound
+from shared.trie import Trie, TrieCorrupt
 
 log = logging.getLogger("tooltrie.catalogs")
 VERSIONS_LOADED = Gauge("tooltrie_catalog_versions_loaded", "Catalog versions held by the decoder")
 SWAPS = MetricCounter("tooltrie_catalog_swaps_total", "Times a catalog's default version changed")
 REFUSED = MetricCounter("tooltrie_catalog_refused_total", "Catalog versions refused (e.g. tokenizer mismatch)")
+BLOBS_REJECTED = MetricCounter("tooltrie_catalog_blobs_rejected_total", "Stored catalog blobs refused by "
+                               "verification (digest, signature, key or arrays), by reason", ["reason"])
+SUPERSEDED = MetricCounter("tooltrie_catalog_loads_superseded_total", "Loads of a version abandoned because a "
+                           "newer one was announced")
 VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool vectors, by where they came from",
                         ["source"])
 
 
 class CatalogRefused(Exception):
     """The catalog's wanted version cannot be served here (FAILED_PRECONDITION): another tokenizer,
-    or a prompt prefix longer than the model's context."""
+    a prompt prefix longer than the model's context, or a stored blob that failed verification."""
+
+
+class Superseded(Exception):
+    """A newer version was announced while this one was loading: the load was abandoned."""
+
+
+class CatalogWarming(NotFound):
+    """The catalog is in the store and its first version is still loading (NOT_FOUND, saying so: its
+    health service name `tooltrie.catalog.<name>` turns SERVING once it is served)."""
+
+
+def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer=None) -> Trie:
+    """A stored blob as a trie the engine may use, or BlobRejected: it must parse, name the key it is
+    stored under (the version a request is told comes from the key, never from the blob), pass
+    Trie.check, spell each tool's name with its tokens (when the tokenizer is given; a blob whose names
+    were rotated would answer with wrong names) and carry a well-formed BM25 index."""
+    from decoder_service.retrieval import bm25_index
+    try:
+        trie = Trie.from_blob(blob)
+    except Exception as e:  # noqa: BLE001 - whatever a damaged blob raises, it is refused
+        raise BlobRejected(f"catalog {name!r} v{version}: the blob cannot be read ({type(e).__name__}: "
+                           f"{str(e)[:200]})") from None
+    if trie.meta.get("name") != name or trie.meta.get("version") != version:
+        raise BlobRejected(f"catalog {name!r} v{version}: the blob says it is {str(trie.meta.get('name'))[:80]!r} "
+                           f"v{str(trie.meta.get('version'))[:20]}")
+    try:
+        trie.check(vocab_size)
+        bm25_index(trie)
+    except (TrieCorrupt, ValueError, KeyError, TypeError) as e:
+        raise BlobRejected(f"catalog {name!r} v{version}: {str(e)[:300]}") from None
+    if tokenizer is not None:
+        spelled = tokenizer.decode_batch(trie.spelled(), skip_special_tokens=False)
+        wrong = next((i for i, (a, b) in enumerate(zip(spelled, trie.pointer_names)) if a != b), None)
+        if wrong is not None:
+            raise BlobRejected(f"catalog {name!r} v{version}: tool #{wrong}'s tokens spell {spelled[wrong][:80]!r}, "
+                               f"its name is {trie.pointer_names[wrong][:80]!r}")
+    return trie
 
 
 class CatalogManager:
     def __init__(self, store: CatalogStore, engine: DecodeEngine, names: list[str] | None = None,
-                 warm_timeout: float = 600.0, encoder=None):
+                 warm_timeout: float = 600.0, encoder=None, lease_seconds: float = 60.0):
         self.store, self.engine, self.names, self.warm_timeout = store, engine, names, warm_timeout
         self.encoder = encoder
+        self.lease_seconds = lease_seconds
+        self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self._leased: set[tuple[str, int]] = set()
+        self._workers: set[str] = set()   # catalogs whose default is being brought to the wanted version
+        self.started = threading.Event()  # set once the first pass over the store has finished
         self.loaded: dict[tuple[str, int], CatalogRuntime] = {}
         self.latest: dict[str, int] = {}
         self.wanted: dict[str, int] = {}  # the newest announced default per catalog, in event order
         self.refused: dict[str, str] = {}  # catalog -> why its wanted version is not served
+        self.refused_versions: dict[tuple[str, int], str] = {}  # versions whose blob failed verification
         self.active: Counter = Counter()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
@@ -59,7 +109,9 @@ class CatalogManager:
                 if name not in self.latest:
                     if name in self.refused:
                         raise CatalogRefused(self.refused[name])
-                    raise NotFound(f"no catalog named {name!r} is loaded")
+                    if name in self.wanted:
+                        raise CatalogWarming(f"catalog {name!r} v{self.wanted[name]} is still loading (not served yet)")
+                    raise NotFound(f"no catalog named {name!r:.80} is loaded")
                 version = self.latest[name]
             rt = self.loaded.get((name, version))
             if rt is not None:
@@ -85,25 +137,46 @@ class CatalogManager:
             log.info("released %s v%d", name, version)
 
     def ready(self) -> bool:
-        return any(rt.ready.is_set() for rt in self.loaded.values())
+        """Overall readiness (the decoder's health policy): the first pass over the store is done (every
+        catalog found was loaded or refused) and at least one catalog has a default version. A refused
+        or corrupt catalog does not hold the others back; per catalog, see catalog_health()."""
+        with self._lock:
+            return self.started.is_set() and bool(self.latest)
+
+    def catalog_health(self) -> dict[str, bool]:
+        """Per catalog the decoder knows of: whether it has a ready default version (True) or not yet /
+        not at all (False: loading, or refused)."""
+        with self._lock:
+            names = set(self.latest) | set(self.wanted) | set(self.refused)
+            return {n: n in self.latest for n in names}
 
     # --- loading -------------------------------------------------------------------------------
-    def load(self, name: str, version: int) -> CatalogRuntime:
-        """Fetch, check and warm one version (once, however many callers ask at the same time)."""
+    def load(self, name: str, version: int, superseded=None) -> CatalogRuntime:
+        """Fetch, verify and warm one version (once, however many callers ask at the same time).
+        superseded() is asked between the stages of a default's load: when it says so, the load is
+        abandoned (Superseded) for the newer version."""
         key = (name, version)
-        with self._lock:
-            if key in self.loaded:
-                return self.loaded[key]
-            pending = self._loading.get(key)
-            if pending is None:
-                self._loading[key] = threading.Event()
-        if pending is not None:
-            pending.wait(self.warm_timeout)
-            if key not in self.loaded:
-                raise NotFound(f"catalog {name!r} v{version} could not be loaded")
-            return self.loaded[key]
+        while True:
+            with self._lock:
+                if key in self.loaded:
+                    return self.loaded[key]
+                pending = self._loading.get(key)
+                if pending is None:
+                    self._loading[key] = threading.Event()
+                    break
+            if not pending.wait(self.warm_timeout):
+                raise TimeoutError(f"catalog {name!r} v{version} did not load within {self.warm_timeout:.0f} s")
+            with self._lock:
+                if key in self.loaded:
+                    return self.loaded[key]
+                if key in self.refused_versions:
+                    raise CatalogRefused(self.refused_versions[key])
+            # the other caller's load failed or was superseded: try it ourselves
         try:
-            trie = Trie.from_blob(self.store.blob(name, version))
+            self._lease_now(name, version)
+            trie = self._fetch_verified(name, version)
+            if superseded and superseded():
+                raise Superseded(f"{name} v{version}")
             try:
                 rt = self.engine.load_catalog(trie, self.retriever(name, version, trie))
             except (TokenizerMismatch, RequestError) as e:  # another tokenizer; a prefix past the context
@@ -111,8 +184,13 @@ class CatalogManager:
                 with self._lock:
                     self.refused[name] = str(e)
                 raise CatalogRefused(str(e)) from e
-            if not rt.ready.wait(self.warm_timeout):
-                raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
+            deadline = time.monotonic() + self.warm_timeout
+            while not rt.ready.wait(0.1):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
+            if superseded and superseded():
+                self.engine.release_catalog(rt)
+                raise Superseded(f"{name} v{version}")
             with self._lock:
                 self.loaded[key] = rt
                 VERSIONS_LOADED.set(len(self.loaded))
@@ -122,6 +200,66 @@ class CatalogManager:
         finally:
             with self._lock:
                 self._loading.pop(key).set()
+
+    def _fetch_verified(self, name: str, version: int) -> Trie:
+        """The stored blob of one version, verified (BlobRejected -> CatalogRefused, logged and counted)."""
+        tok = self.engine.tok
+        vocab = tok.tokenizer.get_vocab_size(with_added_tokens=True)
+        model_vocab = getattr(getattr(self.engine.backend, "cfg", None), "vocab_size", None)
+        if isinstance(model_vocab, int):
+            vocab = min(vocab, model_vocab)
+        try:
+            blob = self.store.verified_blob(name, version)
+            return verify_trie(name, version, blob, vocab, tok.tokenizer)
+        except BlobRejected as e:
+            reason = ("signature" if "signature" in str(e) or "not signed" in str(e) else
+                      "digest" if "sha256" in str(e) else "key" if "says it is" in str(e) or "info names" in str(e)
+                      else "unreadable" if "cannot be read" in str(e) else "arrays")
+            BLOBS_REJECTED.labels(reason).inc()
+            log.error("refused %s v%d: %s", name, version, e)
+            message = f"catalog {name!r} v{version} is refused: its stored blob failed verification ({e})"
+            with self._lock:
+                self.refused[name] = message
+                self.refused_versions[(name, version)] = message
+            raise CatalogRefused(message) from None
+        except NotFound:
+            raise
+        except (ValueError, TypeError, KeyError) as e:  # an info record that is not one (damaged in Redis)
+            BLOBS_REJECTED.labels("info").inc()
+            log.error("refused %s v%d: its info record is damaged (%s)", name, version, e)
+            raise CatalogRefused(f"catalog {name!r} v{version} is refused: its info record is damaged") from None
+
+    # --- leases: the store never trims a version this decoder holds -----------------------------
+    def held_versions(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return set(self.loaded) | set(self._loading) | {k for k, n in self.active.items() if n > 0}
+
+    def _lease_now(self, name: str, version: int) -> None:
+        try:
+            self.store.lease(name, [version], self.holder, self.lease_seconds)
+            with self._lock:
+                self._leased.add((name, version))
+        except (redis.ConnectionError, redis.TimeoutError) as e:
+            log.warning("could not lease %s v%d (%s)", name, version, e)
+
+    def refresh_leases(self) -> None:
+        """Renew the leases on every version held (loaded, loading or pinned) and drop the others'."""
+        held = self.held_versions()
+        by_name: dict[str, list[int]] = {}
+        for name, version in held:
+            by_name.setdefault(name, []).append(version)
+        for name, versions in by_name.items():
+            self.store.lease(name, versions, self.holder, self.lease_seconds)
+        for name, version in self._leased - held:
+            self.store.unlease(name, version, self.holder)
+        self._leased = held
+
+    def _lease_loop(self) -> None:
+        while not self._stop.wait(self.lease_seconds / 3):
+            try:
+                self.refresh_leases()
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
+                log.warning("leases not refreshed (%s)", e)
 
     def retriever(self, name: str, version: int, trie: Trie) -> Retriever:
         """The version's retriever: its BM25 index from the blob, its tool vectors from the store, or
@@ -150,20 +288,50 @@ class CatalogManager:
         return Retriever(index, n, vectors, self.encoder)
 
     def announce(self, name: str, version: int) -> None:
-        """Record version as the wanted default and load it in the background (events arrive in order;
-        loads may finish out of order, so only the newest announcement becomes the default)."""
+        """Record version as the wanted default and bring the catalog to it in the background: one worker
+        per catalog, which always loads the newest announced version; a load in progress that a newer
+        announcement supersedes is abandoned at its next stage instead of being finished and queued."""
         with self._lock:
             self.wanted[name] = version
-        threading.Thread(target=self.make_default, args=(name, version), daemon=True).start()
+            if name in self._workers:
+                return
+            self._workers.add(name)
+        threading.Thread(target=self._default_worker, args=(name,), daemon=True,
+                         name=f"tooltrie-default-{name}").start()
+
+    def _default_worker(self, name: str) -> None:
+        try:
+            while True:
+                with self._lock:
+                    version = self.wanted[name]
+                self.make_default(name, version)
+                with self._lock:
+                    if self.wanted[name] == version:
+                        self._workers.discard(name)
+                        return
+        except BaseException:
+            with self._lock:
+                self._workers.discard(name)
+            raise
 
     def make_default(self, name: str, version: int) -> None:
-        """Load (if needed) and make version the default for new requests; retire the old default."""
+        """Load (if needed) and make version the default for new requests; retire the old default. Any
+        failure of this catalog's load is logged and leaves every other catalog untouched."""
         with self._lock:
             self.wanted.setdefault(name, version)
         try:
-            self.load(name, version)
+            self.load(name, version, superseded=lambda: self.wanted.get(name, version) != version)
+        except Superseded:
+            SUPERSEDED.inc()
+            log.info("%s v%d superseded by v%s while loading", name, version, self.wanted.get(name))
+            return
         except (NotFound, CatalogRefused, TimeoutError) as e:
             log.error("not serving %s v%d: %s", name, version, e)
+            return
+        except Exception:  # noqa: BLE001 - one catalog's failure must not stop the others
+            log.exception("not serving %s v%d", name, version)
+            with self._lock:
+                self.refused.setdefault(name, f"catalog {name!r} v{version} could not be loaded")
             return
         with self._lock:
             old = self.latest.get(name)
@@ -180,12 +348,15 @@ class CatalogManager:
     def reconcile(self) -> None:
         """Bring every catalog's default in line with the store's latest pointer (after a start or an
         outage, so an announcement missed while disconnected is not lost)."""
-        names = self.names or [i.name for i in self.store.list_catalogs()]
+        names = self.names or self.store.catalog_names()
         for name in names:
             try:
                 version = self.store.latest_version(name)
             except NotFound:
                 log.warning("catalog %s is not in the store", name)
+                continue
+            except ValueError as e:  # a damaged latest pointer: this catalog only
+                log.error("catalog %s: its latest pointer is damaged (%s)", name, e)
                 continue
             if self.latest.get(name) != version:
                 with self._lock:
@@ -196,6 +367,7 @@ class CatalogManager:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._follow, name="tooltrie-catalogs", daemon=True)
         self._thread.start()
+        threading.Thread(target=self._lease_loop, name="tooltrie-leases", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -206,7 +378,9 @@ class CatalogManager:
             try:
                 pubsub = self.store.r.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(self.store.channel)
+                self.refresh_leases()  # before anything is published again after an outage
                 self.reconcile()  # after subscribing, so nothing published in between is missed
+                self.started.set()
                 backoff = 0.2
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)

@@ -20,8 +20,11 @@ from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, Q
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
-from shared.serving import (RPC_TOTAL, make_server, set_serving, setup_logging, start_metrics, status_for,
-                            wait_for_termination)
+from grpc_health.v1 import health_pb2
+
+from shared.catalog import CATALOG_NAME, shown
+from shared.serving import (RPC_TOTAL, Credentials, Guard, Rule, make_server, server_credentials, set_serving,
+                            setup_logging, start_metrics, status_for, wait_for_termination)
 from shared.store import CatalogStore
 
 log = logging.getLogger("tooltrie.decoder")
@@ -171,6 +174,73 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         TOKENS_FORCED.set(engine.tokens_forced)
 
 
+MAX_REQUEST_ID_CHARS = 128
+MAX_ALLOW = 10_000
+HEALTH_PREFIX = "tooltrie.catalog."   # per-catalog health service names: tooltrie.catalog.<name>
+
+
+def check_discover(settings: Settings):
+    """Discover's bounds, checked before the request touches a catalog (every field of the request is
+    bounded; a message never echoes more than a clipped piece of the input)."""
+    max_name = settings.max_name_chars
+
+    def validate(request) -> None:
+        if not CATALOG_NAME.fullmatch(request.catalog):
+            raise ValueError(f"catalog name {shown(request.catalog)} is not valid: use 1-64 of A-Z a-z 0-9 . _ - "
+                             "starting with a letter or digit")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
+            raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
+                             f"(got {len(request.request_id)})")
+        if len(request.allow) > MAX_ALLOW:
+            raise ValueError(f"the allowlist names {len(request.allow)} tools, over the limit of {MAX_ALLOW}")
+        long = next((a for a in request.allow if len(a) > max_name), None)
+        if long is not None:
+            raise ValueError(f"allowlist entry {shown(long)} has {len(long)} characters, over the limit of {max_name}")
+        if request.version < 0:
+            raise ValueError(f"version must be 0 (the latest) or a version number, got {request.version}")
+    return validate
+
+
+def guard(settings: Settings) -> Guard:
+    """Discover's bounds; Discover and GetInfo need TOOLTRIE_DISCOVER_TOKEN when it is set."""
+    creds = Credentials([settings.discover_token])
+    return Guard({f"/{SERVICE}/Discover": Rule(check_discover(settings), creds),
+                  f"/{SERVICE}/GetInfo": Rule(None, creds)})
+
+
+def server_options(settings: Settings) -> list[tuple[str, int]]:
+    """Connections are recycled every TOOLTRIE_MAX_CONNECTION_AGE_S (so clients balancing round-robin over a
+    headless Service re-resolve and find new replicas); a stream already accepted is never cut by it (an
+    unbounded grace: the GOAWAY only stops new streams on the old connection). SIGTERM's drain is what
+    bounds a shutdown."""
+    if settings.max_connection_age_s <= 0:
+        return []
+    return [("grpc.max_connection_age_ms", int(settings.max_connection_age_s * 1000)),
+            ("grpc.max_connection_age_grace_ms", 2**31 - 1)]
+
+
+def follow_health(catalogs: CatalogManager, health, stop: threading.Event, interval: float = 0.2) -> None:
+    """Publish readiness until stop: per catalog under `tooltrie.catalog.<name>` (SERVING while it has a ready
+    default version), and overall ("" and the service's name) by CatalogManager.ready's policy: the first
+    pass over the store is done and at least one catalog is served. A refused or corrupt catalog is
+    NOT_SERVING under its own name and holds nothing else back."""
+    shown_status: dict[str, bool] = {}
+    serving = None
+    while not stop.is_set():
+        for name, ok in catalogs.catalog_health().items():
+            if shown_status.get(name) != ok:
+                health.set(HEALTH_PREFIX + name, health_pb2.HealthCheckResponse.SERVING if ok
+                           else health_pb2.HealthCheckResponse.NOT_SERVING)
+                shown_status[name] = ok
+        ready = catalogs.ready()
+        if ready != serving and not stop.is_set():
+            set_serving(health, [SERVICE], ready)
+            if ready:
+                log.info("serving: %s", ", ".join(f"{c['name']} v{c['version']}" for c in catalogs.describe()))
+            serving = ready
+        stop.wait(interval)
+
+
 def serve(settings: Settings | None = None) -> None:
     settings = settings or Settings()
     if not settings.redis_url:
@@ -178,38 +248,32 @@ def serve(settings: Settings | None = None) -> None:
     engine, encoder, info = build_engine(settings)
     engine.on_step = STEP_SECONDS.observe
     engine.start()
-    store = CatalogStore.from_url(settings.redis_url, settings.namespace)
-    catalogs = CatalogManager(store, engine, settings.catalogs or None, encoder=encoder)
+    store = CatalogStore.from_settings(settings)
+    catalogs = CatalogManager(store, engine, settings.catalogs or None, encoder=encoder,
+                              lease_seconds=settings.lease_seconds)
     servicer = DecoderServicer(engine, catalogs, info)
     # A Discover stream holds a handler thread while it runs or waits: one per admitted or queued
     # request (plus a few for GetInfo and health), so the queue bound, not the pool, refuses work.
-    # Connections are recycled every few minutes (streams in flight get the drain period to finish),
-    # so clients balancing round-robin over a headless Service re-resolve and find new replicas.
-    age = [("grpc.max_connection_age_ms", 300_000),
-           ("grpc.max_connection_age_grace_ms", int(settings.drain_seconds * 1000))]
+    credentials = server_credentials(settings)
     server, health = make_server(settings.decoder_addr,
                                  lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE],
-                                 max_workers=settings.max_seqs + settings.max_waiting + 8, options=age)
-    start_metrics(settings.metrics_port)
+                                 max_workers=settings.max_seqs + settings.max_waiting + 8,
+                                 options=server_options(settings), credentials=credentials,
+                                 reflection_on=settings.reflection, interceptors=[guard(settings)])
+    start_metrics(settings.metrics_port, settings.metrics_host)
     server.start()
-    log.info("decoder listening on %s (%s on %s); warming catalogs", settings.decoder_addr, info["backend"],
-             info["device"])
+    log.info("decoder listening on %s (%s, %s on %s); warming catalogs", settings.decoder_addr,
+             "TLS" if credentials else "plaintext", info["backend"], info["device"])
     catalogs.start()
     stop_metrics = threading.Event()
     threading.Thread(target=watch_metrics, args=(engine, stop_metrics), daemon=True).start()
-
-    def mark_ready():
-        while not catalogs.ready():
-            time.sleep(0.2)
-        set_serving(health, [SERVICE], True)
-        log.info("serving: %s", ", ".join(f"{c['name']} v{c['version']}" for c in catalogs.describe()))
-    threading.Thread(target=mark_ready, daemon=True).start()
+    threading.Thread(target=follow_health, args=(catalogs, health, stop_metrics), daemon=True).start()
 
     def before_stop():
+        stop_metrics.set()
         servicer.draining = True
         catalogs.stop()
     wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=before_stop)
-    stop_metrics.set()
     engine.stop()
 
 

@@ -18,6 +18,16 @@ class CatalogError(ValueError):
     """The registry cannot become a catalog; the message says which tool and why."""
 
 
+def clip(text: str, limit: int = 80) -> str:
+    """text cut to limit characters (with a note of how much was cut): errors never echo unbounded input."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text) - limit} more characters)"
+
+
+def shown(value, limit: int = 80) -> str:
+    """repr(value), clipped: how an error message names a user's string."""
+    return clip(repr(value), limit)
+
+
 @dataclass(frozen=True)
 class Tool:
     name: str
@@ -56,9 +66,16 @@ def _tool_entries(data) -> list[dict]:
         if isinstance(item, dict) and item.get("type") == "function" and isinstance(item.get("function"), dict):
             item = item["function"]  # OpenAI-style function tool
         if not isinstance(item, dict) or "name" not in item:
-            raise CatalogError(f"tool #{i}: expected an object with a 'name', got {json.dumps(item)[:80]}")
+            raise CatalogError(f"tool #{i}: expected an object with a 'name', got {clip(_brief(item))}")
         entries.append(item)
     return entries
+
+
+def _brief(item) -> str:
+    try:
+        return json.dumps(item, ensure_ascii=False)[:200]
+    except (TypeError, ValueError, RecursionError):
+        return type(item).__name__
 
 
 def _check_text(value, what: str, where: str, limit: int) -> str:
@@ -75,7 +92,7 @@ def _check_name(name, where: str, limit: int) -> str:
         raise CatalogError(f"{where}: name is empty or only whitespace")
     bad = [c for c in name if unicodedata.category(c) in ("Cc", "Cs", "Zl", "Zp")]
     if bad:
-        raise CatalogError(f"{where}: name {name!r} contains the control character {bad[0]!r}")
+        raise CatalogError(f"{where}: name {shown(name)} contains the control character {bad[0]!r}")
     return name
 
 
@@ -86,7 +103,12 @@ def parse_registry(text: str | bytes, settings: Settings | None = None) -> Catal
         data = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CatalogError(f"malformed JSON: {e}") from None
-    return catalog_from_entries(_tool_entries(data), settings)
+    except RecursionError:
+        raise CatalogError("malformed JSON: nested too deeply") from None
+    try:
+        return catalog_from_entries(_tool_entries(data), settings)
+    except RecursionError:   # an entry nested deeper than anything a tool needs
+        raise CatalogError("the registry is nested too deeply") from None
 
 
 def catalog_from_entries(entries: list[dict], settings: Settings | None = None) -> Catalog:
@@ -97,7 +119,7 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
         raise CatalogError(f"the registry holds {len(entries)} tools, over the limit of {settings.max_tools}")
     tools, seen = [], {}
     for i, e in enumerate(entries):
-        where = f"tool #{i}" + (f" ({e['name']!r})" if isinstance(e.get("name"), str) else "")
+        where = f"tool #{i}" + (f" ({shown(e['name'])})" if isinstance(e.get("name"), str) else "")
         name = _check_name(e.get("name"), where, settings.max_name_chars)
         description = _check_text(e.get("description") or "", "description", where,
                                   settings.max_description_chars)
@@ -107,8 +129,9 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
         examples = tuple(_check_text(x, "example", where, settings.max_description_chars) for x in examples)
         key = unicodedata.normalize("NFKC", name)
         if key in seen:
-            raise CatalogError(f"{where}: name {name!r} duplicates tool #{seen[key]} "
-                               f"({entries[seen[key]]['name']!r}) after Unicode normalisation")
+            other = entries[seen[key]]["name"]
+            how = "" if other == name else " after Unicode normalisation"
+            raise CatalogError(f"{where}: name {shown(name)} duplicates tool #{seen[key]} ({shown(other)}){how}")
         seen[key] = i
         tools.append(Tool(name, description, examples))
     return Catalog(tuple(tools))
@@ -120,6 +143,6 @@ CATALOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 def check_catalog_name(name: str) -> str:
     """Catalog names become Redis key parts and CLI arguments: keep them plain."""
     if not isinstance(name, str) or not CATALOG_NAME.fullmatch(name):
-        raise CatalogError(f"catalog name {name!r} is not valid: use 1-64 of A-Z a-z 0-9 . _ - "
+        raise CatalogError(f"catalog name {shown(name)} is not valid: use 1-64 of A-Z a-z 0-9 . _ - "
                            "starting with a letter or digit")
     return name

@@ -53,9 +53,22 @@ def cmd_compile(args) -> int:
     return 0
 
 
+class _Authorized:
+    """A compiler stub whose calls carry the publish token (TOOLTRIE_PUBLISH_TOKEN or --token)."""
+
+    def __init__(self, stub, metadata):
+        self._stub, self._metadata = stub, metadata
+
+    def __getattr__(self, method):
+        call = getattr(self._stub, method)
+        return lambda request, **kw: call(request, metadata=self._metadata, **kw)
+
+
 def _compiler(args):
+    from shared.client import bearer, open_channel
     from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
-    return pb, pb_grpc.CompilerServiceStub(grpc.insecure_channel(args.compiler))
+    stub = pb_grpc.CompilerServiceStub(open_channel(args.compiler))
+    return pb, _Authorized(stub, bearer(args.token))
 
 
 def _print_versions(versions, as_json: bool) -> None:
@@ -72,9 +85,22 @@ def _print_versions(versions, as_json: bool) -> None:
 
 def cmd_publish(args) -> int:
     pb, stub = _compiler(args)
-    reply = stub.Publish(pb.PublishRequest(name=args.name, registry_json=_read(args.file)), timeout=args.timeout)
-    print(f"{'published' if reply.created else 'unchanged'}: {args.name} v{reply.version.version} "
-          f"({reply.version.stats.tools} tools)")
+    registry = _read(args.file)
+    try:
+        before = stub.GetCatalog(pb.GetCatalogRequest(name=args.name), timeout=args.timeout).version.version
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        before = 0
+    reply = stub.Publish(pb.PublishRequest(name=args.name, registry_json=registry), timeout=args.timeout)
+    v = reply.version.version
+    if reply.created:
+        print(f"published: {args.name} v{v} ({reply.version.stats.tools} tools)")
+    elif before in (0, v):
+        print(f"unchanged: {args.name} v{v} ({reply.version.stats.tools} tools)")
+    else:   # identical to an older version: publishing it made that version the latest again
+        print(f"unchanged: identical to {args.name} v{v}, which is the latest again (was v{before}; "
+              f"`tooltrie rollback {args.name} {before}` undoes it)")
     return 0
 
 
@@ -111,12 +137,30 @@ def cmd_discover(args) -> int:
     return 0
 
 
+def cmd_env(args) -> int:
+    """Every setting: its variable, its value here (secrets shown as set or not) and what it means."""
+    import os
+
+    from shared.config import ENV_VARS
+    secret = ("TOKEN", "SIGNING_KEY")
+    for name, (default, meaning) in ENV_VARS.items():
+        value = os.environ.get(name, default)
+        if any(s in name for s in secret) and value:
+            value = "(set)"
+        elif "REDIS_URL" in name and "@" in value:   # a password in the URL
+            value = value.split("://", 1)[0] + "://(credentials)@" + value.rsplit("@", 1)[1]
+        print(f"{name}={value}\n    {meaning}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     settings = Settings()
     p = argparse.ArgumentParser(prog="tooltrie", description=__doc__.splitlines()[0])
     p.add_argument("--compiler", default=settings.compiler_addr, help="compiler service host:port")
     p.add_argument("--decoder", default=settings.decoder_addr, help="decoder service host:port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
+    p.add_argument("--token", default=settings.publish_token,
+                   help="bearer token for publish, rollback and blob reads (default: TOOLTRIE_PUBLISH_TOKEN)")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile a registry locally and print its stats (no servers)")
@@ -149,6 +193,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--shortlist", type=int, default=0, help="tools retrieved into the prompt (0: the server's default)")
     c.add_argument("--retrieve-only", action="store_true", help="the shortlist's first k, no generator")
     c.set_defaults(run=cmd_discover)
+
+    c = sub.add_parser("env", help="list every setting (environment variable), its value here and meaning")
+    c.set_defaults(run=cmd_env)
 
     c = sub.add_parser("rollback", help="make an older stored version the latest")
     c.add_argument("name")

@@ -1,20 +1,28 @@
 """A small Python client for orchestrators: Discover as an iterator (sync) or async iterator (asyncio).
 
     from shared.client import DecoderClient
-    with DecoderClient("127.0.0.1:50052") as client:
+    with DecoderClient() as client:          # TOOLTRIE_DECODER_ADDR, TLS and token from the settings
         for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
             print(tool.name, tool.logprob)
 
+    async with AsyncDecoderClient() as client:
+        async for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
+            print(tool.name)
+
 Across several decoder replicas, pass a `dns:///host:port` target: the channel balances requests
-round-robin over every address the name resolves to (docs/deploy.md).
+round-robin over every address the name resolves to (docs/deploy.md). With TOOLTRIE_TLS_CA (or
+TOOLTRIE_TLS=1) the channel uses TLS, presenting TOOLTRIE_TLS_CLIENT_CERT/KEY when set (mutual TLS);
+TOOLTRIE_DISCOVER_TOKEN is sent as a bearer token.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
+from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 
 ROUND_ROBIN = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]}))]
@@ -51,6 +59,33 @@ class _Answer:
         return None
 
 
+def channel_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a client from the settings, or None (plaintext)."""
+    if not settings.tls:
+        return None
+    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+    return grpc.ssl_channel_credentials(read(settings.tls_ca), read(settings.tls_client_key),
+                                        read(settings.tls_client_cert))
+
+
+def open_channel(target: str, settings: Settings | None = None, aio: bool = False, options=()):
+    """A channel to target, with TLS when the settings ask for it (and the server name to verify)."""
+    settings = settings or Settings()
+    options = [*options]
+    if settings.tls_server_name:
+        options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
+    creds = channel_credentials(settings)
+    mod = grpc.aio if aio else grpc
+    if creds is None:
+        return mod.insecure_channel(target, options=options)
+    return mod.secure_channel(target, creds, options=options)
+
+
+def bearer(token: str | None) -> list[tuple[str, str]]:
+    """Call metadata carrying a bearer token (none without one)."""
+    return [("authorization", f"Bearer {token}")] if token else []
+
+
 def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False) -> pb.DiscoverRequest:
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
                               request_id=request_id or "", shortlist=shortlist,
@@ -77,7 +112,7 @@ class DecoderClient:
         self.done = answer.done
 
     def info(self) -> pb.GetInfoResponse:
-        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout)
+        return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

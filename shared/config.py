@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
 DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
 
-# Environment variable -> (default, meaning). Read by Settings.from_env and listed by `tooltrie env`.
+# Environment variable -> (default, meaning). Read by Settings and listed by `tooltrie env`.
 ENV_VARS: dict[str, tuple[str, str]] = {
     "REDIS_URL": ("", "Redis to use; empty means the project starts its own redis-server under var/"),
     "TOOLTRIE_NAMESPACE": ("tooltrie", "prefix of every Redis key and of the event channel"),
@@ -35,6 +35,38 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_KV_TOKENS": ("65536", "decoder KV pool size in token positions"),
     "TOOLTRIE_MAX_SEQS": ("64", "decoder: sequences decoded at once"),
     "TOOLTRIE_MAX_WAITING": ("256", "decoder: bounded request queue; past it RESOURCE_EXHAUSTED"),
+    # --- security and reliability (docs/deploy.md, "Security") ---
+    "TOOLTRIE_METRICS_HOST": ("127.0.0.1", "address the Prometheus metrics listen on (0.0.0.0: every interface)"),
+    "TOOLTRIE_REFLECTION": ("0", "1: enable gRPC server reflection (grpcurl list) on both services"),
+    "TOOLTRIE_TLS_CERT": ("", "PEM certificate (chain) a server presents; with TOOLTRIE_TLS_KEY, the servers "
+                          "listen with TLS only"),
+    "TOOLTRIE_TLS_KEY": ("", "PEM private key of TOOLTRIE_TLS_CERT"),
+    "TOOLTRIE_TLS_CLIENT_CA": ("", "server: PEM CA bundle; when set, clients must present a certificate it "
+                               "signed (mutual TLS)"),
+    "TOOLTRIE_TLS_CA": ("", "client: PEM CA bundle to verify the servers with; set (or TOOLTRIE_TLS=1) to "
+                        "connect with TLS"),
+    "TOOLTRIE_TLS": ("0", "client: 1 connects with TLS, verifying servers against the system's CAs unless "
+                     "TOOLTRIE_TLS_CA is set"),
+    "TOOLTRIE_TLS_CLIENT_CERT": ("", "client: PEM certificate to present for mutual TLS"),
+    "TOOLTRIE_TLS_CLIENT_KEY": ("", "client: PEM private key of TOOLTRIE_TLS_CLIENT_CERT"),
+    "TOOLTRIE_TLS_SERVER_NAME": ("", "client: the name to verify in the server's certificate, when it is not "
+                                 "the host of the address"),
+    "TOOLTRIE_PUBLISH_TOKEN": ("", "bearer token that Publish, SetLatest and blob reads require (the CLI sends "
+                               "it); empty: no token (then only TOOLTRIE_PUBLISH_IDENTITIES, or nothing, guards "
+                               "them)"),
+    "TOOLTRIE_PUBLISH_IDENTITIES": ("", "comma-separated client certificate names (CN or SAN, mutual TLS) "
+                                    "allowed to publish, roll back and read blobs"),
+    "TOOLTRIE_DISCOVER_TOKEN": ("", "bearer token Discover and GetInfo require (clients send it); empty: "
+                                "open"),
+    "TOOLTRIE_SIGNING_KEY": ("", "HMAC key: the compiler signs each version's blob with it and the decoder "
+                             "refuses blobs whose signature does not match (same value on both)"),
+    "TOOLTRIE_REDIS_CA": ("", "PEM CA bundle to verify a rediss:// (TLS) Redis with"),
+    "TOOLTRIE_REDIS_CERT": ("", "PEM client certificate for a Redis that requires one"),
+    "TOOLTRIE_REDIS_KEY": ("", "PEM private key of TOOLTRIE_REDIS_CERT"),
+    "TOOLTRIE_MAX_CONNECTION_AGE_S": ("300", "decoder: connections are asked to reconnect after this many "
+                                      "seconds (streams in flight are never cut); 0 disables"),
+    "TOOLTRIE_LEASE_SECONDS": ("60", "decoder: lifetime of its leases on the versions it holds (refreshed "
+                               "every third of it); the store never trims a leased version"),
 }
 
 
@@ -64,3 +96,23 @@ class Settings:
     kv_tokens: int = field(default_factory=lambda: int(_env("TOOLTRIE_KV_TOKENS")))
     max_seqs: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_SEQS")))
     max_waiting: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_WAITING")))
+    metrics_host: str = field(default_factory=lambda: _env("TOOLTRIE_METRICS_HOST"))
+    reflection: bool = field(default_factory=lambda: _env("TOOLTRIE_REFLECTION") == "1")
+    tls_cert: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_CERT"))
+    tls_key: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_KEY"))
+    tls_client_ca: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_CLIENT_CA"))
+    tls_ca: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_CA"))
+    tls: bool = field(default_factory=lambda: _env("TOOLTRIE_TLS") == "1" or bool(_env("TOOLTRIE_TLS_CA")))
+    tls_client_cert: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_CLIENT_CERT"))
+    tls_client_key: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_CLIENT_KEY"))
+    tls_server_name: str = field(default_factory=lambda: _env("TOOLTRIE_TLS_SERVER_NAME"))
+    publish_token: str = field(default_factory=lambda: _env("TOOLTRIE_PUBLISH_TOKEN"))
+    publish_identities: list[str] = field(
+        default_factory=lambda: [c.strip() for c in _env("TOOLTRIE_PUBLISH_IDENTITIES").split(",") if c.strip()])
+    discover_token: str = field(default_factory=lambda: _env("TOOLTRIE_DISCOVER_TOKEN"))
+    signing_key: str = field(default_factory=lambda: _env("TOOLTRIE_SIGNING_KEY"))
+    redis_ca: str = field(default_factory=lambda: _env("TOOLTRIE_REDIS_CA"))
+    redis_cert: str = field(default_factory=lambda: _env("TOOLTRIE_REDIS_CERT"))
+    redis_key: str = field(default_factory=lambda: _env("TOOLTRIE_REDIS_KEY"))
+    max_connection_age_s: float = field(default_factory=lambda: float(_env("TOOLTRIE_MAX_CONNECTION_AGE_S")))
+    lease_seconds: float = field(default_factory=lambda: float(_env("TOOLTRIE_LEASE_SECONDS")))

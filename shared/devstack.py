@@ -29,10 +29,12 @@ DEMO_INTENTS = [("What's the weather going to be like in Paris this weekend?", 2
                 ("Summarise this PDF for me", 1)]
 
 
-def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = "") -> None:
-    """Block until the gRPC health service at addr reports SERVING (showing elapsed time if `what`);
-    fail at once if the service's process exits."""
-    channel = grpc.insecure_channel(addr)
+def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = "", service: str = "") -> None:
+    """Block until the gRPC health service at addr reports SERVING for service ("" : the server as a whole;
+    `tooltrie.catalog.<name>`: that catalog on the decoder), showing elapsed time if `what`; fail at once
+    if the service's process exits."""
+    from shared.client import open_channel
+    channel = open_channel(addr)
     stub = health_pb2_grpc.HealthStub(channel)
     started = time.monotonic()
     deadline = started + timeout
@@ -43,7 +45,8 @@ def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = 
             print(f"\r{what} ... {elapsed:4d} s", end="", flush=True)
             shown = elapsed
         try:
-            if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
+            if stub.Check(health_pb2.HealthCheckRequest(service=service),
+                          timeout=2).status == health_pb2.HealthCheckResponse.SERVING:
                 if what:
                     print(f"\r{what}: done in {time.monotonic() - started:.0f} s")
                 return
@@ -92,7 +95,8 @@ def run(settings: Settings) -> int:
         if not redis_url:
             redis_url = stack.enter_context(LocalRedis(REPO_ROOT / "var" / "redis")).url
             print(f"redis      {redis_url} (data in var/redis)")
-        env = {**os.environ, "REDIS_URL": redis_url}
+        # reflection on for the local stack (grpcurl list); a deployment leaves it off (docs/deploy.md)
+        env = {"TOOLTRIE_REFLECTION": "1", **os.environ, "REDIS_URL": redis_url}
         compiler = start_service("compiler_service.server", {**env, "TOOLTRIE_METRICS_PORT": "0"},
                                  REPO_ROOT / "var" / "log" / "compiler.log")
         stack.callback(stop, compiler)
@@ -103,7 +107,10 @@ def run(settings: Settings) -> int:
         stack.callback(stop, decoder)
         print(f"decoder    {settings.decoder_addr} (log in var/log/decoder.log, "
               f"metrics on http://127.0.0.1:{settings.metrics_port}/metrics)")
-        wait_serving(settings.decoder_addr, 900, decoder, "loading the model and warming the catalog prefix")
+        # the demo catalog's own health, not the decoder's: another catalog left in Redis by an earlier run
+        # may be ready first, and the questions below are asked of metatool
+        wait_serving(settings.decoder_addr, 900, decoder, "loading the model and warming the catalog prefix",
+                     service="tooltrie.catalog.metatool")
         for intent, k in DEMO_INTENTS:
             print(f"\n> {intent}  (k={k})")
             cli.main(["--decoder", settings.decoder_addr, "discover", intent, "-k", str(k), "--catalog", "metatool"])

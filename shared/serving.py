@@ -1,12 +1,17 @@
-"""What both gRPC services share: error-to-status mapping, health, reflection, metrics, shutdown."""
+"""What both gRPC services share: error-to-status mapping, health, reflection, metrics, shutdown, and
+the guard every call passes first (undecodable requests, bounded fields, authorization), TLS."""
 from __future__ import annotations
 
 import functools
+import hmac
 import json
 import logging
 import signal
 import threading
 from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
 
 import grpc
 import redis
@@ -14,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, start_http_server
 
-from shared.catalog import CatalogError
+from shared.catalog import CatalogError, clip
 from shared.store import NotFound
 from shared.tokenizer import TokenizerError
 
@@ -60,23 +65,41 @@ def rpc(service: str):
                     detail = f"redis unavailable: {exc}"
                 else:
                     detail = str(exc)
+                detail = clip(detail, 1000)
                 RPC_TOTAL.labels(service, method.__name__, code.name).inc()
                 context.abort(code, detail)
         return handler
     return wrap
 
 
+def server_credentials(settings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings (TOOLTRIE_TLS_CERT/KEY; with TOOLTRIE_TLS_CLIENT_CA, clients
+    must present a certificate it signed), or None for plaintext."""
+    if not settings.tls_cert and not settings.tls_key:
+        return None
+    if not (settings.tls_cert and settings.tls_key):
+        raise SystemExit("TLS needs both TOOLTRIE_TLS_CERT and TOOLTRIE_TLS_KEY")
+    client_ca = Path(settings.tls_client_ca).read_bytes() if settings.tls_client_ca else None
+    return grpc.ssl_server_credentials([(Path(settings.tls_key).read_bytes(), Path(settings.tls_cert).read_bytes())],
+                                       root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 def make_server(address: str, add_servicers, service_names: list[str], max_workers: int = 16,
-                options: list[tuple[str, int]] = ()):
-    """A gRPC server with health (NOT_SERVING until set_serving) and reflection; returns (server, health)."""
+                options: list[tuple[str, int]] = (), credentials: grpc.ServerCredentials | None = None,
+                reflection_on: bool = True, interceptors: list = ()):
+    """A gRPC server with health (NOT_SERVING until set_serving) and, when asked, reflection; TLS when
+    given credentials; every call through the interceptors (a Guard); returns (server, health)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=list(interceptors) or [Guard({})],
                          options=[("grpc.max_receive_message_length", 64 << 20),
                                   ("grpc.max_send_message_length", 64 << 20), *options])
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    if server.add_insecure_port(address) == 0:
+    if reflection_on:
+        reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    if port == 0:
         raise RuntimeError(f"cannot listen on {address}")
     for name in ["", *service_names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -89,10 +112,144 @@ def set_serving(health_servicer, service_names: list[str], serving: bool) -> Non
         health_servicer.set(name, status)
 
 
-def start_metrics(port: int) -> None:
+def follow_redis(ping: Callable[[], object], health_servicer, service_names: list[str], stop: threading.Event,
+                 interval: float = 1.0) -> None:
+    """Keep the health status in step with Redis: SERVING while ping() succeeds, NOT_SERVING while it
+    fails (every call would answer UNAVAILABLE), until stop is set."""
+    serving = None
+    while not stop.is_set():
+        try:
+            ping()
+            ok = True
+        except (redis.ConnectionError, redis.TimeoutError, OSError):
+            ok = False
+        if ok != serving and not stop.is_set():
+            set_serving(health_servicer, service_names, ok)
+            if serving is not None or not ok:
+                log.log(logging.INFO if ok else logging.WARNING, "redis %s: %s", "reachable" if ok else "unreachable",
+                        "SERVING" if ok else "NOT_SERVING")
+            serving = ok
+        stop.wait(interval)
+
+
+def start_metrics(port: int, host: str = "127.0.0.1") -> None:
     if port:
-        start_http_server(port, addr="0.0.0.0")
-        log.info("metrics on :%d/metrics", port)
+        start_http_server(port, addr=host)
+        log.info("metrics on %s:%d/metrics", host, port)
+
+
+# --- the guard: undecodable requests, bounded fields, authorization ------------------------------
+
+class Undecodable:
+    """What a request that does not parse as its message becomes (answered INVALID_ARGUMENT)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _lenient(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as e:  # noqa: BLE001 - any parse failure is the caller's bad input
+            return Undecodable(e)
+    return parse
+
+
+class Credentials:
+    """Who may make a protected call: a bearer token (any of tokens, compared in constant time) in the
+    `authorization` metadata, or a client certificate (mutual TLS) whose CN or SAN is in identities."""
+
+    def __init__(self, tokens: list[str] = (), identities: list[str] = ()):
+        self.tokens = [t.encode() for t in tokens if t]
+        self.identities = {i for i in identities if i}
+
+    @property
+    def required(self) -> bool:
+        return bool(self.tokens or self.identities)
+
+    def check(self, context) -> str | None:
+        """None when the caller is allowed, else why not."""
+        presented = b""
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                value = value.decode("latin-1") if isinstance(value, bytes) else value
+                if value[:7].lower() == "bearer ":
+                    presented = value[7:].strip().encode("utf-8", "replace")
+        ok = False
+        for token in self.tokens:   # every token compared, in constant time each
+            ok |= hmac.compare_digest(presented, token)
+        if ok:
+            return None
+        if self.identities:
+            auth = context.auth_context() or {}
+            names = {v.decode("utf-8", "replace") if isinstance(v, bytes) else v
+                     for k in ("x509_common_name", "x509_subject_alternative_name") for v in auth.get(k, ())}
+            if names & self.identities:
+                return None
+        return "missing or invalid bearer token" if presented or not self.identities else \
+            "this call needs a bearer token (authorization: Bearer ...) or an allowed client certificate"
+
+
+@dataclass
+class Rule:
+    """What the guard checks for one method before its handler runs: the request's bounds (validate
+    raises CatalogError/ValueError -> INVALID_ARGUMENT) and, when protected(request) says so, the
+    caller's credentials (UNAUTHENTICATED)."""
+    validate: Callable | None = None
+    credentials: Credentials | None = None
+    protected: Callable = field(default=lambda request: True)
+
+
+class Guard(grpc.ServerInterceptor):
+    """Runs before every handler: a request that cannot be decoded is INVALID_ARGUMENT (gRPC's own
+    answer is INTERNAL), then the method's Rule. Rejections are counted in tooltrie_rpc_total."""
+
+    def __init__(self, rules: dict[str, Rule]):
+        self.rules = rules
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        rule = self.rules.get(details.method)
+        service, _, method = details.method.lstrip("/").rpartition("/")
+
+        def admit(request, context) -> None:
+            code = message = None
+            if isinstance(request, Undecodable):
+                code, message = grpc.StatusCode.INVALID_ARGUMENT, \
+                    f"the request is not a valid {method} message: {clip(str(request.error), 200)}"
+            elif rule is not None:
+                if rule.credentials is not None and rule.credentials.required and rule.protected(request):
+                    why = rule.credentials.check(context)
+                    if why:
+                        code, message = grpc.StatusCode.UNAUTHENTICATED, f"{method}: {why}"
+                if code is None and rule.validate is not None:
+                    try:
+                        rule.validate(request)
+                    except (CatalogError, ValueError) as e:
+                        code, message = grpc.StatusCode.INVALID_ARGUMENT, clip(str(e), 1000)
+            if code is not None:
+                RPC_TOTAL.labels(service, method, code.name).inc()
+                context.abort(code, message)
+
+        deserialize = _lenient(handler.request_deserializer) if handler.request_deserializer else None
+        if handler.unary_unary:
+            inner = handler.unary_unary
+
+            def unary(request, context):
+                admit(request, context)
+                return inner(request, context)
+            return grpc.unary_unary_rpc_method_handler(unary, request_deserializer=deserialize,
+                                                       response_serializer=handler.response_serializer)
+        inner_stream = handler.unary_stream
+
+        def stream(request, context):
+            admit(request, context)
+            yield from inner_stream(request, context)
+        return grpc.unary_stream_rpc_method_handler(stream, request_deserializer=deserialize,
+                                                    response_serializer=handler.response_serializer)
 
 
 def wait_for_termination(server, health_servicer, service_names: list[str], grace: float,
@@ -103,9 +260,9 @@ def wait_for_termination(server, health_servicer, service_names: list[str], grac
         signal.signal(sig, lambda *_: stop.set())
     stop.wait()
     log.info("draining for up to %.0f s", grace)
-    set_serving(health_servicer, service_names, False)
     if before_stop:
         before_stop()
+    set_serving(health_servicer, service_names, False)
     server.stop(grace).wait()
     log.info("stopped")
 

@@ -7,6 +7,8 @@ concurrent publishers never get the same version. All keys live under the namesp
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from dataclasses import dataclass
@@ -23,6 +25,24 @@ class NotFound(KeyError):
         return self.args[0]
 
 
+class BlobRejected(ValueError):
+    """A stored blob that does not match what the compiler recorded for it (its digest, its signature,
+    its key): never served."""
+
+
+def blob_digest(blob: bytes) -> str:
+    """sha256 of a version's blob exactly as stored (arrays and metadata), recorded in its info."""
+    return hashlib.sha256(blob).hexdigest()
+
+
+def blob_signature(key: bytes, name: str, version: int, blob: bytes) -> str:
+    """HMAC-SHA256 binding a blob to its catalog name and version (a blob moved under another key, or
+    changed, no longer matches)."""
+    mac = hmac.new(key, f"tooltrie-blob-1\0{name}\0{version}\0".encode(), hashlib.sha256)
+    mac.update(blob)
+    return mac.hexdigest()
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     name: str
@@ -32,18 +52,42 @@ class VersionInfo:
     created_unix: float
     stats: dict
     latest: bool = False
+    blob_sha256: str = ""   # digest of the blob as stored (empty: stored before digests were recorded)
+    signature: str = ""     # HMAC of the blob with the signing key (empty: published without one)
+
+
+def redis_client(url: str, ca_file: str = "", cert_file: str = "", key_file: str = "", **kw) -> redis.Redis:
+    """A Redis client for url: redis:// or rediss:// (TLS; the server is verified against ca_file, or the
+    system's CAs; cert_file and key_file for a server that requires client certificates); an ACL user and
+    password go in the URL (rediss://user:password@host:port/0)."""
+    options = dict(socket_timeout=5, socket_connect_timeout=2, health_check_interval=10, **kw)
+    if url.startswith("rediss://"):
+        options.update(ssl_cert_reqs="required")
+        if ca_file:
+            options["ssl_ca_certs"] = ca_file
+        if cert_file:
+            options.update(ssl_certfile=cert_file, ssl_keyfile=key_file or None)
+    return redis.Redis.from_url(url, **options)
 
 
 class CatalogStore:
-    def __init__(self, client: redis.Redis, namespace: str = "tooltrie", keep_versions: int = 10):
+    def __init__(self, client: redis.Redis, namespace: str = "tooltrie", keep_versions: int = 10,
+                 signing_key: bytes | str = b""):
         self.r = client
         self.ns = namespace
         self.keep_versions = max(1, keep_versions)
+        self.signing_key = signing_key.encode() if isinstance(signing_key, str) else signing_key
 
     @classmethod
-    def from_url(cls, url: str, namespace: str = "tooltrie", keep_versions: int = 10) -> "CatalogStore":
-        return cls(redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2,
-                                        health_check_interval=10), namespace, keep_versions)
+    def from_url(cls, url: str, namespace: str = "tooltrie", keep_versions: int = 10, signing_key: bytes | str = b"",
+                 ca_file: str = "", cert_file: str = "", key_file: str = "") -> "CatalogStore":
+        return cls(redis_client(url, ca_file, cert_file, key_file), namespace, keep_versions, signing_key)
+
+    @classmethod
+    def from_settings(cls, settings, keep_versions: int | None = None) -> "CatalogStore":
+        return cls.from_url(settings.redis_url, settings.namespace,
+                            settings.keep_versions if keep_versions is None else keep_versions,
+                            settings.signing_key, settings.redis_ca, settings.redis_cert, settings.redis_key)
 
     # --- keys ------------------------------------------------------------------------------
     @property
@@ -56,7 +100,9 @@ class CatalogStore:
     # --- writes ----------------------------------------------------------------------------
     def publish(self, name: str, trie: Trie) -> tuple[VersionInfo, bool]:
         """Store trie as the next version of name and make it latest; identical content returns
-        (and makes latest) the version that already holds it. Returns (info, created)."""
+        (and makes latest again, announced as a rollback) the version that already holds it.
+        Returns (info, created). The info records the blob's digest, and its HMAC when the store has a
+        signing key, so that a decoder can refuse a blob changed after it was published."""
         content_hash = trie.meta["content_hash"]
         counter, hash_key = self._key(name, "counter"), self._key(name, "hash", content_hash)
         with self.r.pipeline() as p:
@@ -69,10 +115,12 @@ class CatalogStore:
                         return self.set_latest(name, int(existing)), False
                     version = int(p.get(counter) or 0) + 1
                     trie.meta.update(name=name, version=version, created_unix=time.time())
-                    info = self._info_from_trie(trie)
+                    blob = trie.to_blob()
+                    info = self._info_from_trie(trie, blob_sha256=blob_digest(blob), signature=(
+                        blob_signature(self.signing_key, name, version, blob) if self.signing_key else ""))
                     p.multi()
                     p.set(counter, version)
-                    p.set(self._key(name, "blob", version), trie.to_blob())
+                    p.set(self._key(name, "blob", version), blob)
                     p.set(self._key(name, "info", version), json.dumps(info.__dict__))
                     p.set(hash_key, version)
                     p.zadd(self._key(name, "versions"), {str(version): version})
@@ -108,19 +156,46 @@ class CatalogStore:
                     continue
         return self.info(name, version)
 
+    # --- leases: versions a decoder has loaded or a request pins are never trimmed ----------------
+    def lease(self, name: str, versions, holder: str, ttl: float) -> None:
+        """Hold versions of name for holder for ttl seconds (refreshed by the holder while it uses them)."""
+        now = self._now()
+        with self.r.pipeline(transaction=False) as p:
+            key = self._key(name, "leases")
+            p.zadd(key, {f"{v}:{holder}": now + ttl for v in versions})
+            p.zremrangebyscore(key, "-inf", now)
+            p.execute()
+
+    def unlease(self, name: str, version: int, holder: str) -> None:
+        self.r.zrem(self._key(name, "leases"), f"{version}:{holder}")
+
+    def leased(self, name: str) -> set[int]:
+        """Versions of name some holder's unexpired lease names."""
+        members = self.r.zrangebyscore(self._key(name, "leases"), self._now(), "+inf")
+        return {int(m.split(b":", 1)[0]) for m in members}
+
+    def _now(self) -> float:
+        seconds, micros = self.r.time()   # the server's clock: holders' clocks may disagree
+        return seconds + micros / 1e6
+
     def _trim(self, name: str) -> None:
-        """Drop all but the newest keep_versions versions, never the one latest names."""
+        """Drop all but the newest keep_versions versions, never the one latest names nor one a holder
+        leases (a decoder has it loaded, or a request pins it)."""
         versions = [int(v) for v in self.r.zrange(self._key(name, "versions"), 0, -1)]
         old = versions[:-self.keep_versions]
         if not old:
             return
-        latest_key = self._key(name, "latest")
+        latest_key, lease_key = self._key(name, "latest"), self._key(name, "leases")
         with self.r.pipeline() as p:
             while True:
                 try:
-                    p.watch(latest_key)
+                    p.watch(latest_key, lease_key)
                     latest = int(p.get(latest_key) or 0)
-                    drop = [v for v in old if v != latest]
+                    leased = {int(m.split(b":", 1)[0]) for m in p.zrangebyscore(lease_key, self._now(), "+inf")}
+                    drop = [v for v in old if v != latest and v not in leased]
+                    if not drop:
+                        p.unwatch()
+                        return
                     p.multi()
                     for v in drop:
                         vectors = list(self.r.scan_iter(match=self._key(name, "vectors", v, "*")))
@@ -149,6 +224,26 @@ class CatalogStore:
             raise NotFound(f"catalog {name!r} has no version {version}")
         return data
 
+    def verified_blob(self, name: str, version: int) -> bytes:
+        """The blob of one version, checked against its info: the digest the compiler recorded and, when
+        this store has a signing key, its HMAC over the name, the version and the blob. Raises
+        BlobRejected (or NotFound)."""
+        blob = self.blob(name, version)
+        info = self.info(name, version)
+        if info.name != name or info.version != version:
+            raise BlobRejected(f"catalog {name!r} v{version}: its info names {info.name!r} v{info.version}")
+        if self.signing_key:
+            if not info.signature:
+                raise BlobRejected(f"catalog {name!r} v{version} is not signed, and a signing key is set")
+            expected = blob_signature(self.signing_key, name, version, blob)
+            if not hmac.compare_digest(expected, info.signature):
+                raise BlobRejected(f"catalog {name!r} v{version}: the blob's signature does not match "
+                                   "(changed after publishing, stored under another key, or another signing key)")
+        if info.blob_sha256 and not hmac.compare_digest(blob_digest(blob), info.blob_sha256):
+            raise BlobRejected(f"catalog {name!r} v{version}: the blob's sha256 is not the one recorded at "
+                               "publishing (changed or truncated in Redis)")
+        return blob
+
     def vectors(self, name: str, version: int, encoder_digest: str) -> bytes | None:
         """A version's stored tool vectors for this encoder (decoder_service.retrieval's blob), or None."""
         return self.r.get(self._key(name, "vectors", version, encoder_digest))
@@ -170,13 +265,15 @@ class CatalogStore:
             raise NotFound(f"no catalog named {name!r}")
         return [self.info(name, v) for v in versions]
 
+    def catalog_names(self) -> list[str]:
+        return sorted(n.decode("utf-8", "replace") for n in self.r.smembers(f"{self.ns}:catalogs"))
+
     def list_catalogs(self) -> list[VersionInfo]:
-        names = sorted(n.decode() for n in self.r.smembers(f"{self.ns}:catalogs"))
-        return [self.info(n) for n in names]
+        return [self.info(n) for n in self.catalog_names()]
 
     @staticmethod
-    def _info_from_trie(trie: Trie) -> VersionInfo:
+    def _info_from_trie(trie: Trie, **extra) -> VersionInfo:
         m = trie.meta
         return VersionInfo(name=m["name"], version=m["version"], content_hash=m["content_hash"],
                            tokenizer_hash=m["tokenizer_hash"], created_unix=m["created_unix"],
-                           stats={**trie.stats(), "compile_ms": m.get("compile_ms", 0.0)})
+                           stats={**trie.stats(), "compile_ms": m.get("compile_ms", 0.0)}, **extra)

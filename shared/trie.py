@@ -23,6 +23,10 @@ CONSTANT_MEMORY_BUDGET = 64 * 1024
 ARRAYS = ("node_edge_start", "edge_token", "edge_child", "edge_lo", "edge_hi")
 
 
+class TrieCorrupt(ValueError):
+    """The arrays or metadata of a blob do not form a well-formed trie (Trie.check)."""
+
+
 class TrieWalkError(ValueError):
     """A token sequence is not a path through the trie (or breaks the exactly-k rule)."""
 
@@ -101,6 +105,91 @@ class Trie:
             if len(pointers) != k or len(set(pointers)) != k:
                 raise TrieWalkError(f"expected {k} distinct pointers, got {pointers}")
         return pointers
+
+    def check(self, vocab_size: int) -> None:
+        """Refuse (TrieCorrupt) arrays that are not a well-formed trie over a vocabulary of vocab_size:
+        CSR offsets monotonic from 0 to the edge count, token ids below the vocabulary and sorted within a
+        node, every child a later node or one of the two sentinels (so every node is reached once, from the
+        root, and no walk loops), control edges labelled with the separator and stop ids, pointer ranges
+        nested inside their parent's and within the pointer count, each pointer ending exactly once, the
+        recorded depth the real one, and the metadata's per-tool lists as long as the pointer list.
+        A decoder runs this on every blob it loads: a stored blob is not trusted."""
+        def bad(why: str):
+            raise TrieCorrupt(f"catalog {self.meta.get('name')!r} v{self.meta.get('version')}: {why}")
+
+        for a in ARRAYS:
+            arr = getattr(self, a)
+            if not isinstance(arr, np.ndarray) or arr.ndim != 1 or arr.dtype != np.int32:
+                bad(f"{a} is not a 1-D int32 array")
+        start, tok, child, lo, hi = (getattr(self, a).astype(np.int64) for a in ARRAYS)
+        n_nodes, n_edges = len(start) - 1, len(tok)
+        n_ptr = len(self.pointer_names) if isinstance(self.pointer_names, list) else -1
+        if n_nodes < 1 or start[0] != 0 or start[-1] != n_edges or np.any(np.diff(start) < 0):
+            bad("node_edge_start is not monotonic from 0 to the edge count")
+        if not (len(child) == len(lo) == len(hi) == n_edges):
+            bad("the edge arrays differ in length")
+        if n_ptr < 1 or not all(isinstance(x, str) for x in self.pointer_names):
+            bad("pointer_names is not a non-empty list of strings")
+        if not (0 <= self.sep_id < vocab_size and 0 <= self.stop_id < vocab_size) or self.sep_id == self.stop_id:
+            bad(f"separator {self.sep_id} or stop {self.stop_id} is not a distinct token id below {vocab_size}")
+        if n_edges and (tok.min() < 0 or tok.max() >= vocab_size):
+            bad(f"an edge's token id is outside the vocabulary of {vocab_size}")
+        parent = np.repeat(np.arange(n_nodes), np.diff(start))
+        same = parent[1:] == parent[:-1]
+        if np.any(same & (tok[1:] <= tok[:-1])):
+            bad("a node's edges are not sorted by token id (or repeat one)")
+        control = child < 0
+        if np.any((child < -2) | (child >= n_nodes)) or np.any(~control & (child <= parent)):
+            bad("an edge's child is neither a later node nor a sentinel")
+        if np.any((child == SEP) & (tok != self.sep_id)) or np.any((child == STOP) & (tok != self.stop_id)):
+            bad("a control edge is not labelled with the separator or stop token")
+        if np.any(~control & ((tok == self.sep_id) | (tok == self.stop_id))):
+            bad("a node edge is labelled with the separator or stop token")
+        if np.any(lo < 0) or np.any(hi > n_ptr) or np.any(lo >= hi) or np.any(control & (hi != lo + 1)):
+            bad(f"a pointer range is empty or outside the {n_ptr} pointers")
+        inner = child[~control]
+        if len(inner) != n_nodes - 1 or len(np.unique(inner)) != n_nodes - 1:
+            bad("a node is reached by no edge or by more than one")
+        for kind in (SEP, STOP):
+            ends = np.sort(lo[child == kind])
+            if len(ends) != n_ptr or np.any(ends != np.arange(n_ptr)):
+                bad("a pointer does not end exactly once")
+        inner_e = np.flatnonzero(~control)
+        node_lo, node_hi = np.zeros(n_nodes, np.int64), np.full(n_nodes, n_ptr, np.int64)
+        node_lo[child[inner_e]], node_hi[child[inner_e]] = lo[inner_e], hi[inner_e]
+        if np.any(lo < node_lo[parent]) or np.any(hi > node_hi[parent]):
+            bad("an edge's pointer range is not inside its parent's")
+        depth = np.zeros(n_nodes, np.int64)
+        for _ in range(n_nodes):   # one pass per level: children are later nodes, so this ends
+            new = depth.copy()
+            new[child[inner_e]] = depth[parent[inner_e]] + 1
+            if np.array_equal(new, depth):
+                break
+            depth = new
+        ctl = np.flatnonzero(control)
+        if np.any(depth[parent[ctl]] < 1):
+            bad("a pointer is spelled by no token")
+        recorded = self.meta.get("max_pointer_tokens")
+        if not isinstance(recorded, int) or recorded != int(depth[parent[ctl]].max()):
+            bad(f"max_pointer_tokens {recorded!r} is not the trie's depth {int(depth[parent[ctl]].max())}")
+        for key in ("descriptions",):
+            if key in self.meta and (not isinstance(self.meta[key], list) or len(self.meta[key]) != n_ptr):
+                bad(f"metadata {key!r} does not hold one entry per tool")
+
+    def spelled(self) -> list[list[int]]:
+        """Each pointer's tokens, by pointer id, from one walk over the trie (a checked trie)."""
+        out: list[list[int]] = [[] for _ in self.pointer_names]
+        start, tok, child, lo = self.node_edge_start, self.edge_token, self.edge_child, self.edge_lo
+        stack = [(0, [])]
+        while stack:
+            node, path = stack.pop()
+            for e in range(int(start[node]), int(start[node + 1])):
+                c = int(child[e])
+                if c == SEP:
+                    out[int(lo[e])] = path
+                elif c >= 0:
+                    stack.append((c, path + [int(tok[e])]))
+        return out
 
     def stats(self) -> dict:
         depth = self.meta.get("max_pointer_tokens", 0)

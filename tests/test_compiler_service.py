@@ -107,7 +107,7 @@ def test_health_reflection_and_sigterm_in_a_real_process(small_tokenizer_dir, re
     port = free_port()
     env = {**os.environ, "REDIS_URL": redis_url, "TOOLTRIE_MODEL_DIR": str(small_tokenizer_dir),
            "TOOLTRIE_COMPILER_ADDR": f"127.0.0.1:{port}", "TOOLTRIE_METRICS_PORT": "0",
-           "TOOLTRIE_DRAIN_SECONDS": "2"}
+           "TOOLTRIE_DRAIN_SECONDS": "2", "TOOLTRIE_REFLECTION": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "compiler_service.server"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -151,6 +151,8 @@ def test_hot_swap_under_load(stack):
         version = stack.publish(tools)
         names_of[version] = {t["name"] for t in tools}
         time.sleep(0.15)
+    # the newest supersedes the warm-ups still in progress and becomes the default
+    wait_until(lambda: answers and answers[-1][0] == version, 60, "the newest version answering")
     rollback_to = version - 3
     stack.compiler_stub.SetLatest(cpb.SetLatestRequest(name="demo", version=rollback_to), timeout=10)
     wait_until(lambda: len(answers) >= 200 and answers[-1][0] == rollback_to, 120, "200 answers after rollback")
