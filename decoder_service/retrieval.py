@@ -9,6 +9,7 @@ intent gives the same shortlist, alone or in any batch.
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass
 
@@ -76,6 +77,13 @@ class Retriever:
                  dense_weight: float = DENSE_WEIGHT):
         self.index, self.size, self.vectors, self.encoder = index, size, vectors, encoder
         self.dense_weight = dense_weight if encoder is not None else 0.0
+        self.device = None
+        if encoder is not None and encoder.backend_name == "cuda":
+            from decoder_service.retrieval_cuda import DeviceScorer
+            self.device = DeviceScorer(vectors)
+            # the cosines' mean and second moment over every tool, for any intent q: mean @ q and q @ gram @ q
+            self.mean = vectors.astype(np.float64).mean(axis=0)
+            self.gram = (vectors.T @ vectors).astype(np.float64) / len(vectors)
 
     def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:
         """float32 [tools]: every tool's fused score (-inf for a tool the allowlist leaves out)."""
@@ -91,12 +99,33 @@ class Retriever:
         return fused
 
     def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
-        """The n best tools for the intent among those allowed (all when allow is None), best first."""
+        """The n best tools for the intent among those allowed (all when allow is None), best first; on a
+        GPU the whole catalog is scored on the device."""
+        from decoder_service.retrieval_cuda import MAX_N
         started = time.perf_counter()
-        fused = self.scores(intent, allow)
         n = min(n, self.size if allow is None else len(allow))
-        ids = top_n(fused, n)
-        return Shortlist(ids, fused[ids], time.perf_counter() - started)
+        if self.device is not None and allow is None and n <= MAX_N:
+            ids, scores = self._on_device(intent, n)
+        else:
+            fused = self.scores(intent, allow)
+            ids = top_n(fused, n)
+            scores = fused[ids]
+        return Shortlist(ids, scores, time.perf_counter() - started)
+
+    def _on_device(self, intent: str, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """`scores`' fusion over every tool, as a*cos + k0 + c*bm25: the cosines' mean and spread from the
+        precomputed moments, BM25's from the matched tools (the others score 0)."""
+        q = self.encoder.encode([intent])[0]
+        lexical = self.index.scores(intent, self.size)
+        ids = np.flatnonzero(lexical).astype(np.int32)
+        values = lexical[ids]
+        md = float(self.mean @ q)
+        sd = math.sqrt(max(float(q @ self.gram @ q) - md * md, 0.0))
+        mb = float(values.sum(dtype=np.float64)) / self.size
+        sb = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mb * mb, 0.0))
+        a = self.dense_weight / sd if sd > 0 else 0.0
+        c = (1.0 - self.dense_weight) / sb if sb > 0 else 0.0
+        return self.device.shortlist(q, a, -a * md - c * mb, (ids, values), c, n)
 
 
 def standardised(x: np.ndarray, keep: np.ndarray) -> np.ndarray:

@@ -1,0 +1,175 @@
+"""The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
+
+A version's tool vectors stay on the device (float16). For an intent, `k_fuse` gives each tool one warp
+that takes its cosine with the intent and writes a*cos + k0; `k_add` adds the BM25 term of the tools the
+host's index matched (c*bm25); `k_best` keeps each block's best n of its slice and one more `k_best` block
+merges them. Only n ids and scores come back to the host. The order is retrieval.top_n's: the higher
+score, the lower id on a tie; every reduction has a fixed shape, so an intent's shortlist is the same in
+any order of requests.
+"""
+from __future__ import annotations
+
+import math
+import threading
+
+import numba
+import numpy as np
+
+import ctypes
+
+from decoder_service.model.cuda.kernels import WARP, ldf, warp_sum
+from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
+from numba import cuda  # noqa: E402
+from numba.cuda import types as t  # noqa: E402
+
+WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, kernels.WARP)
+THREADS = 8 if SIM else 256  # k_best's block
+SLICE = 64 if SIM else 2048  # tools per k_best block
+MAX_N = 64                  # longest shortlist the device path serves (longer: the host's)
+_F, _H, _I = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32))
+_S, _X = t.int32, t.float32
+
+
+@cuda.jit(cache=not SIM)
+def k_fuse(vectors, dim, n, query, a, k0, out):
+    """out[tool] = a * (vectors[tool] . query) + k0, one warp per tool (lanes stride the dimensions, then the
+    warp's fixed butterfly sum)."""
+    lane = cuda.threadIdx.x % WARP
+    tool = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
+    if tool >= n:
+        return
+    s = numba.float32(0.0)
+    for j in range(lane, dim, WARP):
+        s += ldf(vectors, tool * dim + j) * query[j]
+    s = warp_sum(s)
+    if lane == 0:
+        out[tool] = a * s + k0
+
+
+@cuda.jit(cache=not SIM)
+def k_add(ids, values, m, c, out):
+    """out[ids[i]] += c * values[i]: the BM25 term of the tools the query matched (distinct ids)."""
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < m:
+        out[ids[i]] += c * values[i]
+
+
+@cuda.jit(device=True, inline="always")
+def _better(v, i, bv, bi):
+    return v > bv or (v == bv and i < bi)
+
+
+@cuda.jit(cache=not SIM)
+def k_best(scores, ids, n, slice_len, top, out_scores, out_ids):
+    """Block b: the best `top` of entries [b*slice_len, (b+1)*slice_len) of scores (their ids from `ids`, or
+    the index where ids is empty), best first, into out_*[b*top:]. Each thread holds its best entry worse than
+    the last one it gave; per round the block's best of those is taken and only its thread looks again."""
+    tid = cuda.threadIdx.x
+    b = cuda.blockIdx.x
+    lo = b * slice_len
+    hi = min(lo + slice_len, n)
+    sv = cuda.shared.array(THREADS, numba.float32)
+    si = cuda.shared.array(THREADS, numba.int32)
+    st = cuda.shared.array(THREADS, numba.int32)
+    bound_v, bound_i = math.inf, -1
+    for r in range(top):
+        if r == 0 or st[0] == tid:   # this thread's entry was taken (or none yet): its next best
+            cv, ci = -math.inf, 2147483647
+            for p in range(lo + tid, hi, THREADS):
+                v = scores[p]
+                i = ids[p] if ids.size > 0 else p
+                if _better(bound_v, bound_i, v, i) and _better(v, i, cv, ci):
+                    cv, ci = v, i
+            mine_v, mine_i = cv, ci
+        cuda.syncthreads()
+        sv[tid], si[tid], st[tid] = mine_v, mine_i, tid
+        cuda.syncthreads()
+        stride = THREADS // 2
+        while stride > 0:
+            if tid < stride and _better(sv[tid + stride], si[tid + stride], sv[tid], si[tid]):
+                sv[tid], si[tid], st[tid] = sv[tid + stride], si[tid + stride], st[tid + stride]
+            cuda.syncthreads()
+            stride //= 2
+        if tid == 0:
+            out_scores[b * top + r] = sv[0]
+            out_ids[b * top + r] = si[0]
+        if st[0] == tid:
+            bound_v, bound_i = mine_v, mine_i
+        cuda.syncthreads()
+
+
+class DeviceScorer:
+    """One version's tool vectors on the device and the buffers of its shortlist (one request at a time)."""
+
+    def __init__(self, vectors: np.ndarray):
+        n, dim = vectors.shape
+        self.n, self.dim = n, dim
+        self.blocks = -(-n // SLICE)
+        self.stream = Stream()
+        self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())
+        self.query = cuda.device_array(dim, np.float32)
+        self.scores = cuda.device_array(n, np.float32)
+        self.part_scores = cuda.device_array(self.blocks * MAX_N, np.float32)
+        self.part_ids = cuda.device_array(self.blocks * MAX_N, np.int32)
+        self.best_scores = cuda.device_array(MAX_N, np.float32)
+        self.best_ids = cuda.device_array(MAX_N, np.int32)
+        self.no_ids = cuda.device_array(0, np.int32)
+        self.matched_ids = cuda.device_array(n, np.int32)
+        self.matched_values = cuda.device_array(n, np.float32)
+        pin = np.zeros if SIM else cuda.pinned_array
+        self.host_query, self.host_ids, self.host_values = pin(dim, np.float32), pin(n, np.int32), pin(n, np.float32)
+        self.out_ids, self.out_scores = pin(MAX_N, np.int32), pin(MAX_N, np.float32)
+        # the launches, packed once; what changes per request is in these scalars
+        self.a, self.k0, self.c = (Scalar(ctypes.c_float) for _ in range(3))
+        self.m, self.top, self.merged = (Scalar(ctypes.c_int32) for _ in range(3))
+        k, h = Kernels.get(), self.stream.handle
+        self.fuse = Launch(k.fuse, WARPS * WARP, 0, [self.vectors, dim, n, self.query, self.a, self.k0, self.scores], h)
+        self.add = Launch(k.add, 256, 0, [self.matched_ids, self.matched_values, self.m, self.c, self.scores], h)
+        self.part = Launch(k.best, THREADS, 0, [self.scores, self.no_ids, n, SLICE, self.top, self.part_scores,
+                                                self.part_ids], h)
+        self.merge = Launch(k.best, THREADS, 0, [self.part_scores, self.part_ids, self.merged, self.merged, self.top,
+                                                 self.best_scores, self.best_ids], h)
+        self.lock = threading.Lock()
+
+    def shortlist(self, query: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
+                  top: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, scores) of the `top` best tools by a*cos(query) + k0 + c*bm25 (matched = the BM25 index's
+        (ids, values) of the tools with a nonzero score), best first."""
+        if top > MAX_N or top > self.n:
+            raise ValueError(f"the device shortlist holds 1 to {min(MAX_N, self.n)} tools, asked for {top}")
+        ids, values = matched
+        s, m = self.stream, len(ids)
+        with self.lock:
+            self.host_query[:] = query
+            self.host_ids[:m], self.host_values[:m] = ids, values
+            self.a.value, self.k0.value, self.c.value = a, k0, c
+            self.m.value, self.top.value, self.merged.value = m, top, self.blocks * top
+            s.h2d(self.query, self.host_query, self.dim)
+            s.h2d(self.matched_ids, self.host_ids, m)
+            s.h2d(self.matched_values, self.host_values, m)
+            self.fuse.launch(-(-self.n // WARPS))
+            if m:
+                self.add.launch(-(-m // 256))
+            self.part.launch(self.blocks)
+            self.merge.launch(1)
+            s.d2h(self.out_ids, self.best_ids, top)
+            s.d2h(self.out_scores, self.best_scores, top)
+            s.synchronize()
+            return self.out_ids[:top].copy(), self.out_scores[:top].copy()
+
+
+class Kernels:
+    """The three kernels compiled once per process."""
+
+    _instance = None
+
+    def __init__(self):
+        self.fuse = Kernel("k_fuse", dispatcher=k_fuse, argtypes=(_H, _S, _S, _F, _X, _X, _F))
+        self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
+        self.best = Kernel("k_best", dispatcher=k_best, argtypes=(_F, _I, _S, _S, _S, _F, _I))
+
+    @classmethod
+    def get(cls) -> "Kernels":
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance

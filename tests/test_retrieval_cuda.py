@@ -1,0 +1,53 @@
+"""The device shortlist (retrieval_cuda: k_fuse, k_add, k_best) against the host's top_n, under numba's CUDA
+simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is one."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from sim_runner import run_script
+
+
+def test_the_device_shortlist_is_the_hosts_under_the_simulator():
+    result = run_script(__file__, sim=True)
+    assert result["cases"] >= 4 and result["mismatches"] == [], result["mismatches"][:3]
+
+
+@pytest.mark.gpu
+def test_the_device_shortlist_is_the_hosts_on_the_gpu():
+    from numba import cuda
+    if not cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    result = run_script(__file__, sim=False)
+    assert result["cases"] >= 4 and result["mismatches"] == [], result["mismatches"][:3]
+
+
+def main() -> None:
+    from decoder_service.retrieval import top_n
+    from decoder_service.retrieval_cuda import SIM, DeviceScorer
+    rng = np.random.default_rng(3)
+    n, dim = (150, 8) if SIM else (100_000, 384)
+    vectors = rng.standard_normal((n, dim)).astype(np.float16)
+    vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
+    scorer = DeviceScorer(vectors)
+    mismatches, cases = [], 0
+    for case, (top, matched) in enumerate([(20, 0), (10, 25), (1, 3), (40, n // 3), (20, n)]):
+        axis = case % dim
+        query = np.zeros(dim, np.float32)
+        query[axis] = 1.0                                  # each cosine is one exact product
+        ids = np.sort(rng.choice(n, matched, replace=False)).astype(np.int32)
+        values = rng.integers(1, 8, matched).astype(np.float32)
+        got_ids, got_scores = scorer.shortlist(query, 1.0, 0.0, (ids, values), 0.5, top)
+        host = vectors[:, axis].astype(np.float32)
+        host[ids] += np.float32(0.5) * values
+        want = top_n(host, top)
+        if list(got_ids) != list(want) or not np.array_equal(got_scores, host[want]):
+            mismatches.append(f"case {case}: {list(got_ids)[:8]} vs {list(want)[:8]}")
+        cases += 1
+    print("RESULT " + json.dumps({"cases": cases, "mismatches": mismatches}))
+
+
+if __name__ == "__main__":
+    main()
