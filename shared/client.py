@@ -93,10 +93,15 @@ def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrie
 
 
 class DecoderClient:
-    def __init__(self, target: str, timeout: float = 60.0):
-        self.channel = grpc.insecure_channel(target, options=ROUND_ROBIN)
+    """target defaults to TOOLTRIE_DECODER_ADDR, token to TOOLTRIE_DISCOVER_TOKEN, TLS to the settings."""
+
+    def __init__(self, target: str | None = None, timeout: float = 60.0, token: str | None = None,
+                 settings: Settings | None = None):
+        settings = settings or Settings()
+        self.channel = open_channel(target or settings.decoder_addr, settings, options=ROUND_ROBIN)
         self.stub = pb_grpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
+        self.metadata = bearer(settings.discover_token if token is None else token)
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                  request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
@@ -105,7 +110,7 @@ class DecoderClient:
         first k, no generator."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
-        for event in self.stub.Discover(request, timeout=self.timeout):
+        for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
                 yield tool
@@ -125,20 +130,36 @@ class DecoderClient:
 
 
 class AsyncDecoderClient:
-    def __init__(self, target: str, timeout: float = 60.0):
-        self.channel = grpc.aio.insecure_channel(target, options=ROUND_ROBIN)
+    """The asyncio client (use it in `async with`, or await close()); the same defaults as DecoderClient."""
+
+    def __init__(self, target: str | None = None, timeout: float = 60.0, token: str | None = None,
+                 settings: Settings | None = None):
+        settings = settings or Settings()
+        self.channel = open_channel(target or settings.decoder_addr, settings, aio=True, options=ROUND_ROBIN)
         self.stub = pb_grpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
+        self.metadata = bearer(settings.discover_token if token is None else token)
+        self.done = None
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                        request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
         """DecoderClient.discover for asyncio."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
-        async for event in self.stub.Discover(request, timeout=self.timeout):
+        async for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
                 yield tool
+        self.done = answer.done
+
+    async def info(self) -> pb.GetInfoResponse:
+        return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)
 
     async def close(self) -> None:
         await self.channel.close()
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.close()
