@@ -370,7 +370,7 @@ def test_cuda_encoder_on_real_weights():
         pytest.skip("no CUDA GPU here")
     r = _run_child("gpu")
     assert r["rel_max"] < 1e-5, r             # against the reference on the same float16 weights
-    assert r["golden_cos_min"] >= 0.9999, r   # float16 weights against sentence-transformers' float32
+    assert r["golden_cos_min"] >= 0.99999, r  # float16 weights against sentence-transformers' float32
     assert r["alone_equals_batch"] and r["tile_equals_seg"], r
 
 

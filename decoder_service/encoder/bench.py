@@ -1,0 +1,99 @@
+"""Check the encoder against the float64 reference, then time it: one query, 64 queries, a tool catalog.
+
+    python -m decoder_service.encoder.bench --backend cuda --model models/all-MiniLM-L6-v2 \
+        --texts ../shared/data/bigcatalog/catalog.json --queries ../shared/data/bigcatalog/dev_queries.jsonl
+
+The check runs first (fresh random token sequences of 2..max_seq_length tokens, against the reference
+on the weights as the backend stores them; each vector alone against its batch, bit for bit); the
+timings are host wall clock around encode(), tokenization included, medians after a warm-up. A short
+table is printed last.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import load_encoder
+from .reference import ReferenceEncoder
+from .weights import load_weights
+
+
+def read_texts(path: Path) -> list[str]:
+    """Catalog tools as "name: description" lines, or the "query" of each JSON line."""
+    if path.suffix == ".jsonl":
+        return [json.loads(line)["query"] for line in path.read_text().splitlines() if line.strip()]
+    return [f"{t['name']}: {t['description']}" if t.get("description") else t["name"]
+            for t in json.loads(path.read_text())]
+
+
+def median_s(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def check(enc, model_dir: Path, n: int, seed: int) -> dict:
+    weights = load_weights(model_dir, enc.cfg)
+    if enc.backend_name == "cuda":
+        from .cuda import stored_weights
+        weights = stored_weights(weights)
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(2, enc.cfg.max_seq_length + 1, n)
+    lens[:2] = (2, enc.cfg.max_seq_length)
+    seqs = [np.concatenate([[101], rng.integers(1000, enc.cfg.vocab_size, k - 2), [102]]).astype(np.int32)
+            for k in lens]
+    out = enc.backend.embed(seqs)
+    ref = ReferenceEncoder(enc.cfg, weights)
+    want = np.stack([ref.embed([s])[0] for s in seqs])
+    rel = np.linalg.norm(out - want, axis=1) / np.linalg.norm(want, axis=1)
+    alone = np.stack([enc.backend.embed([s])[0] for s in seqs[:8]])
+    return {"texts": n, "rel_max": float(rel.max()), "finite": bool(np.isfinite(out).all()),
+            "alone_equals_batch": bool(np.array_equal(alone, out[:8]))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", type=Path, default=Path("models/all-MiniLM-L6-v2"))
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--texts", type=Path, required=True, help="catalog.json (tools) to encode at once")
+    p.add_argument("--queries", type=Path, required=True, help="dev_queries.jsonl: one query, then 64")
+    p.add_argument("--check", type=int, default=32, help="random texts checked against the reference")
+    p.add_argument("--repeat", type=int, default=50)
+    args = p.parse_args(argv)
+
+    t = time.perf_counter()
+    enc = load_encoder(args.model, args.backend)
+    enc.encode(["warm up"])
+    rows = [("load + first encode", time.perf_counter() - t, "")]
+    result = {"backend": enc.backend_name, "digest": enc.digest, "check": check(enc, args.model, args.check, 0)}
+    print(json.dumps(result["check"]), flush=True)
+    texts, queries = read_texts(args.texts), read_texts(args.queries)
+    one = queries[:1]
+    enc.encode(one)
+    n_one = len(enc.token_ids(one)[0])
+    rows.append((f"1 query ({n_one} tokens)", median_s(lambda: enc.encode(one), args.repeat), ""))
+    batch = queries[:64]
+    enc.encode(batch)
+    rows.append((f"{len(batch)} queries", median_s(lambda: enc.encode(batch), max(3, args.repeat // 5)), ""))
+    tokens = sum(len(i) for i in enc.token_ids(texts))
+    enc.encode(texts[:256])
+    dt = median_s(lambda: enc.encode(texts), 3)
+    rows.append((f"{len(texts)} tool texts", dt, f"{tokens} tokens, {tokens / dt:,.0f} tokens/s"))
+    result["timings_s"] = {name: s for name, s, _ in rows}
+    print("RESULT " + json.dumps(result), flush=True)
+    print(f"\n{enc.name} on {enc.backend_name}: check rel_max {result['check']['rel_max']:.2e}, "
+          f"alone == batch: {result['check']['alone_equals_batch']}")
+    print(f"{'what':<28} {'median':>12}  note")
+    for name, s, note in rows:
+        print(f"{name:<28} {s * 1e3:>9.3f} ms  {note}")
+
+
+if __name__ == "__main__":
+    main()
