@@ -346,9 +346,6 @@ class CudaEncoder:
                                 gemm("w2", self.inter, self.y, I, H, MODE_RESIDUAL, self.x),
                                 norm("ffn", self.y, self.x)])
 
-    def launches_per_chunk(self) -> int:
-        return 2 + sum(len(ops) for ops in self.layers)
-
     def _enqueue(self, M: int, B: int) -> None:
         """Copy the staged inputs, run the forward pass over M rows of B texts, copy the vectors back
         (all asynchronous on the stream; capturable)."""
