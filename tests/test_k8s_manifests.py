@@ -33,7 +33,7 @@ RENDERS = {
 OVERLAYS = ["cpu", "gpu"]  # what a user applies; the base alone lacks the Redis Secret
 NAMESPACE = "tooltrie"
 # Secrets an overlay expects to exist already (created out of band, never in git).
-EXTERNAL_SECRETS = {"cpu": set(), "gpu": {"tooltrie-redis"}}
+EXTERNAL_SECRETS = {"cpu": set(), "gpu": {"tooltrie-redis", "tooltrie-auth"}}
 SERVICES = {"compiler": "TOOLTRIE_COMPILER_ADDR", "decoder": "TOOLTRIE_DECODER_ADDR"}
 QUEUE_METRIC = "tooltrie_decoder_queue_depth"
 WORKLOAD_KINDS = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
