@@ -46,7 +46,7 @@ from decoder_service.engine.engine import DecodeEngine, EngineConfig  # noqa: E4
 from decoder_service.model.config import ModelConfig  # noqa: E402
 from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
 from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors  # noqa: E402
-from shared.config import DEFAULT_ENCODER_DIR, DEFAULT_MODEL_DIR  # noqa: E402
+from shared.config import DEFAULT_MODEL_DIR, Settings  # noqa: E402
 from shared.tokenizer import ModelTokenizer  # noqa: E402
 
 BLOCK = 16
@@ -174,7 +174,8 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
 
 def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                          EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries)))
+                          EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries),
+                                       fusion_weight=Settings().fusion_weight))
     driver = EngineDriver(engine)
     try:
         retriever, vectors_s = retriever_for(trie, encoder)
@@ -326,7 +327,7 @@ def main() -> None:
         log("the peer needs torch and xgrammar (pip install '.[bench]'): skipped")
     rows_list = [int(r) for r in args.rows.split(",")]
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
-    encoder = load_encoder(DEFAULT_ENCODER_DIR, "cuda" if gpu else "cpu")
+    encoder = load_encoder(Settings().encoder_dir, "cuda" if gpu else "cpu")
     if args.retrieval_tools:
         res["retrieval"] = retrieval_table(tok, encoder, next(iter(workloads.values()))[1], args.retrieval_tools)
     for si, shape in enumerate(args.shapes.split(",")):

@@ -31,7 +31,7 @@ from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_i
 from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
-from shared.config import DEFAULT_ENCODER_DIR, DEFAULT_MODEL_DIR, REPO_ROOT
+from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings
 from shared.tokenizer import ModelTokenizer
 
 
@@ -143,10 +143,9 @@ def main() -> None:
     p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
     p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's setting)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
-    p.add_argument("--encoder", default=str(DEFAULT_ENCODER_DIR))
+    p.add_argument("--encoder", default=Settings().encoder_dir)
     p.add_argument("--backend", default="auto")
     args = p.parse_args()
-    from shared.config import Settings
     weights = [float(w) for w in args.weights.split(",")] if args.weights else [Settings().fusion_weight]
     harness = Harness(args.model, args.encoder, args.backend)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)

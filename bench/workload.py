@@ -9,26 +9,18 @@ first copy), for the retrieval stage at 100,000 tools.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from compiler_service.compiler import compile_catalog
+from shared.dataset import data_dir
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import parse_registry
 
 ROOT = Path(__file__).resolve().parents[1]
 N_QUERIES = 469
-
-
-def data_dir() -> Path:
-    """../shared/data beside the checkout, TOOLTRIE_SHARED_DATA, or the copy carried to a GPU machine."""
-    for d in (os.environ.get("TOOLTRIE_SHARED_DATA"), ROOT.parent / "shared" / "data", ROOT / ".gpu_data"):
-        if d and (Path(d) / "metatool" / "catalog.json").exists():
-            return Path(d)
-    raise SystemExit("no tool data: expected ../shared/data beside the checkout (or TOOLTRIE_SHARED_DATA)")
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from shared.config import REPO_ROOT
 
-DATA_DIR = REPO_ROOT.parent / "shared" / "data"
 SETS = {"metatool": "MetaTool", "toolbench": "StableToolBench", "bigcatalog": "Seal-Tools"}
 VALIDATION_PERCENT = 25
 
@@ -33,16 +33,24 @@ class Query:
     tools: tuple[str, ...]   # the gold tool names; k = len(tools)
 
 
-def catalog_path(name: str, data_dir: Path = DATA_DIR) -> Path:
-    return Path(data_dir) / name / "catalog.json"
+def data_dir() -> Path:
+    """../shared/data beside the checkout, TOOLTRIE_SHARED_DATA, or the copy carried to a GPU machine."""
+    for d in (os.environ.get("TOOLTRIE_SHARED_DATA"), REPO_ROOT.parent / "shared" / "data", REPO_ROOT / ".gpu_data"):
+        if d and (Path(d) / "metatool" / "catalog.json").exists():
+            return Path(d)
+    raise SystemExit("no tool data: expected ../shared/data beside the checkout (or TOOLTRIE_SHARED_DATA)")
 
 
-def queries(name: str, split: str = "all", data_dir: Path = DATA_DIR) -> list[Query]:
+def catalog_path(name: str) -> Path:
+    return data_dir() / name / "catalog.json"
+
+
+def queries(name: str, split: str = "all") -> list[Query]:
     """A set's labelled queries: split "train" (never validation), "validation", or "all"."""
     if split not in ("train", "validation", "all"):
         raise ValueError(f"split must be train, validation or all, got {split!r}")
     out = []
-    with open(Path(data_dir) / name / "dev_queries.jsonl", encoding="utf-8") as f:
+    with open(data_dir() / name / "dev_queries.jsonl", encoding="utf-8") as f:
         for line in f:
             q = json.loads(line)
             if split == "all" or is_validation(q["query"]) == (split == "validation"):

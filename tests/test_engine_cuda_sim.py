@@ -6,8 +6,8 @@ served to the kernels through device buffers shaped like the CUDA backend's (`ca
 test_model_cuda_sim.py; running them here too would take the simulator minutes per request. On a
 real GPU the `gpu` test runs the same script on the real CUDA backend.
 
-Checks: the same requests give the host sampler's names, with log-probabilities equal to float64
-rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
+Checks: the same requests (their answers' order fused with the shortlist's retrieval prior) give the host
+sampler's names, with log-probabilities equal to float64 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
 one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
 them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
@@ -144,7 +144,7 @@ def main() -> None:
     def serve(sampler, stale=False, one_at_a_time=False, **config):
         skipped_before = getattr(backend, "skipped", 0)
         engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                              EngineConfig(**config))
+                              EngineConfig(**{"fusion_weight": 0.7, **config}))  # the retrieval prior in the pick
         engine.sampler = sampler
         catalogs = [engine.load_catalog(t) for t in tries]
         engine.run_until_idle()

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from shared.dataset import DATA_DIR
+from shared.dataset import data_dir
 from tune.data import Encoder, Source, held_out_tools, items, read_queries, split, synthetic, training_items
-from tune.merge import file_sha256, merge
+from tune.merge import base_fingerprint, file_sha256, merge
 from tune.shortlist import DenseEncoder, Retriever
 
 PAPER_SETS = ("metatool", "toolbench", "bigcatalog")
@@ -24,7 +24,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--queries", type=Path, action="append", default=[],
                    help="labelled queries for the registry at the same position (dev_queries.jsonl format)")
     p.add_argument("--sets", default="", help=f"comma-separated data sets of --data-dir ({','.join(PAPER_SETS)})")
-    p.add_argument("--data-dir", type=Path, default=DATA_DIR)
+    p.add_argument("--data-dir", type=Path, default=None, help="the data sets' folder (default: ../shared/data)")
     p.add_argument("--repeat", default="", help="per-set repetition of its training queries, e.g. toolbench=4")
     p.add_argument("--synthetic", action="store_true", help="add a synthetic query for each tool no training "
                    "query names")
@@ -57,7 +57,8 @@ def sources_of(args) -> list[Source]:
     if len(args.registry) != len(args.queries):
         raise SystemExit("give one --queries per --registry")
     out = [Source(r.stem if r.stem != "catalog" else r.parent.name, r, q) for r, q in zip(args.registry, args.queries)]
-    out += [Source(s, args.data_dir / s / "catalog.json", args.data_dir / s / "dev_queries.jsonl")
+    folder = args.data_dir or data_dir()
+    out += [Source(s, folder / s / "catalog.json", folder / s / "dev_queries.jsonl")
             for s in filter(None, args.sets.split(","))]
     if not out:
         raise SystemExit("nothing to train on: give --registry/--queries or --sets")
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(validation, indent=1), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    base = {"name": args.base.name, "sha256": file_sha256(args.base / "model.safetensors")}
+    base = {"name": args.base.name, "fingerprint": base_fingerprint(args.base),
+            "sha256": file_sha256(args.base / "model.safetensors")}
     extra = {}
     if args.full:
         tmodel.save(net, args.base, args.out / "model", torch.float16)
