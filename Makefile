@@ -12,14 +12,14 @@ MODEL := $(MODEL_DIR)/model.safetensors
 ENCODER_DIR := models/all-MiniLM-L6-v2
 ENCODER := $(ENCODER_DIR)/model.safetensors
 
-.PHONY: setup redis proto model run test fuzz bench bench-compiler lint clean
+.PHONY: setup redis proto model run test fuzz bench bench-compiler lint clean tune
 
 setup: $(STAMP) proto redis
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]'
+	$(VENV)/bin/pip install -q -e '.[test,tune]'
 	touch $@
 
 # Generated gRPC code lives in shared/rpc/ and is never edited by hand.
@@ -45,6 +45,15 @@ redis:
 model: $(MODEL) $(ENCODER)
 $(MODEL): $(STAMP)
 	$(PY) -m decoder_service.gguf_convert --out $(MODEL_DIR)
+
+# The tuned default: the committed LoRA adapters (tune/adapters/, made by `make tune`) merged into the base
+# with numpy (tune/merge.py, no torch), beside it in $(TUNED_DIR).
+TUNED_DIR := models/SmolLM2-135M-Instruct-tuned
+TUNED := $(TUNED_DIR)/model.safetensors
+ADAPTERS := tune/adapters/smollm2-135m
+model: $(TUNED)
+$(TUNED): $(MODEL) $(wildcard $(ADAPTERS)/*)
+	$(PY) -m tune.merge --base $(MODEL_DIR) --adapters $(ADAPTERS) --out $(TUNED_DIR)
 $(ENCODER): $(STAMP)
 	$(PY) -m decoder_service.encoder.fetch --out $(ENCODER_DIR)
 
@@ -59,6 +68,14 @@ test: setup model
 fuzz: setup model
 	TOOLTRIE_FUZZ_EXAMPLES=25000 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_fuzz.py
 
+# Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from BM25 fused with
+# all-MiniLM-L6-v2 (tune/shortlist.py). Writes var/tune/ (adapters, merged model, card.json).
+tune: setup model
+	$(PY) -m tune --base $(MODEL_DIR) --out var/tune --sets metatool,toolbench,bigcatalog \
+	    --synthetic --synthetic-per-set 600 --repeat toolbench=2,bigcatalog=2 --epochs 1 --rank 32 --alpha 64 \
+	    --lr 5e-4 --encoder models/all-MiniLM-L6-v2 --seed 0 $(TUNE_ARGS)
+	rm -rf $(ADAPTERS) && mkdir -p $(ADAPTERS) && cp var/tune/adapters/* var/tune/card.json $(ADAPTERS)/
+
 # The benchmark against the PyTorch peer (bench/__main__.py); its extra packages are installed here only.
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): pyproject.toml $(STAMP)
@@ -72,7 +89,7 @@ bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 
 lint: setup
-	$(PY) -m compileall -q shared compiler_service decoder_service tests
+	$(PY) -m compileall -q shared compiler_service decoder_service tune tests
 
 clean:
 	rm -rf $(VENV) var shared/rpc/*_pb2*.py shared/rpc/*_pb2*.pyi

@@ -22,7 +22,7 @@ from tune import lora, model as tmodel  # noqa: E402
 from tune.__main__ import main as tune_main  # noqa: E402
 from tune.data import Encoder, Source, items, read_queries, split, synthetic, training_items  # noqa: E402
 from tune.evaluate import decode  # noqa: E402
-from tune.merge import merge  # noqa: E402
+from tune.merge import base_fingerprint, merge  # noqa: E402
 from tune.shortlist import Retriever, with_gold  # noqa: E402
 from tune.train import train  # noqa: E402
 
@@ -73,8 +73,7 @@ def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(se
     first, last = np.mean(losses[:3]), np.mean(losses[-3:])
     assert last < 0.7 * first, (first, last)
 
-    base_sha = tmodel_sha(base)
-    lora.save_adapters(net, tmp / "adapters", 4, 8.0, {"name": base.name, "sha256": base_sha})
+    lora.save_adapters(net, tmp / "adapters", 4, 8.0, {"name": base.name, "fingerprint": base_fingerprint(base)})
     merge(base, tmp / "adapters", tmp / "merged")
 
     it = items(cat, valid_q or train_q, 6, retriever)[0]
@@ -95,16 +94,11 @@ def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(se
     assert len(answer) == len(it.gold) == len(set(answer)) and set(answer) <= set(it.shortlist)
 
 
-def tmodel_sha(model_dir):
-    from tune.merge import file_sha256
-    return file_sha256(model_dir / "model.safetensors")
-
-
 def test_merge_refuses_adapters_trained_on_another_base(setup):
     tmp, base, _ = setup
     net = tmodel.load(base, "cpu")
     lora.add_lora(net, rank=2, alpha=2.0)
-    lora.save_adapters(net, tmp / "other", 2, 2.0, {"name": "x", "sha256": "0" * 64})
+    lora.save_adapters(net, tmp / "other", 2, 2.0, {"name": "x", "fingerprint": "0" * 64})
     with pytest.raises(ValueError, match="trained on"):
         merge(base, tmp / "other", tmp / "refused")
     assert not (tmp / "refused").exists()

@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (no adapters written)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--alpha", type=float, default=64.0)
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)

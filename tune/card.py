@@ -1,15 +1,11 @@
 """The run's card: what was trained on (digests), how (seed, hyperparameters), and how well (validation)."""
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 from pathlib import Path
 
-
-def file_digest(path: Path) -> str:
-    """sha256 of a file's bytes."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+from tune.merge import file_sha256
 
 
 def write_card(out: Path, *, sources, base: dict, args: dict, counts: dict, losses: list[float],
@@ -21,8 +17,8 @@ def write_card(out: Path, *, sources, base: dict, args: dict, counts: dict, loss
     head = losses[: max(1, len(losses) // 20)]
     tail = losses[-max(1, len(losses) // 20):]
     card = {
-        "data": {s.name: {"registry": str(s.registry), "registry_sha256": file_digest(s.registry),
-                          "queries": str(s.queries), "queries_sha256": file_digest(s.queries)} for s in sources},
+        "data": {s.name: {"registry": str(s.registry), "registry_sha256": file_sha256(s.registry),
+                          "queries": str(s.queries), "queries_sha256": file_sha256(s.queries)} for s in sources},
         "base": base,
         "hyperparameters": args,
         "examples": counts,

@@ -68,7 +68,7 @@ def scores(answer: list[int], gold: list[int]) -> tuple[float, bool]:
     return len(set(answer) & set(gold)) / len(gold), set(answer) == set(gold)
 
 
-def evaluate(model, enc: Encoder, items: list[Item], device: str, batch_size: int = 64) -> dict:
+def evaluate(model, enc: Encoder, items: list[Item], device: str, batch_size: int = 128) -> dict:
     """Per catalog (and, where tools were held out, per group): the selector's recall@k and exact-set (k >= 2),
     beside the retriever's top-k and the gold-in-shortlist ceiling, on the same items."""
     model.eval()

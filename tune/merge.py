@@ -24,6 +24,16 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def base_fingerprint(model_dir: Path) -> str:
+    """sha256 of the model's canonical config.json and its checkpoint's tensor names, dtypes and shapes: the same
+    for two conversions of one base whose bytes differ in rounding (the GGUF is dequantized by each machine's numpy)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    with open(Path(model_dir) / "model.safetensors", "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    layout = sorted((k, v["dtype"], v["shape"]) for k, v in header.items() if k != "__metadata__")
+    return hashlib.sha256(json.dumps([config, layout], sort_keys=True).encode()).hexdigest()
+
+
 def merged_tensors(base: dict[str, np.ndarray], adapters: dict[str, np.ndarray], scale: float) -> dict[str, np.ndarray]:
     """The base tensors with W + scale * B @ A added where an adapter exists, in float32, cast back to W's dtype."""
     out = dict(base)
@@ -42,13 +52,13 @@ def merged_tensors(base: dict[str, np.ndarray], adapters: dict[str, np.ndarray],
 
 def merge(base_dir: Path, adapter_dir: Path, out: Path) -> None:
     """Write `out`: the base folder's files with its model.safetensors merged with the adapters. The base's
-    sha256 must be the one the adapters were trained on; `out` appears whole or not at all."""
+    fingerprint must be the one the adapters were trained on; `out` appears whole or not at all."""
     config = json.loads((adapter_dir / CONFIG).read_text())
     base_file = base_dir / "model.safetensors"
-    digest = file_sha256(base_file)
-    if digest != config["base"]["sha256"]:
-        raise ValueError(f"{base_file} has sha256 {digest}; the adapters in {adapter_dir} were trained on "
-                         f"{config['base']['sha256']}")
+    fingerprint = base_fingerprint(base_dir)
+    if fingerprint != config["base"]["fingerprint"]:
+        raise ValueError(f"{base_dir} has fingerprint {fingerprint}; the adapters in {adapter_dir} were trained on "
+                         f"{config['base']['fingerprint']}")
     adapters: dict[str, np.ndarray] = {}
     for name in config["files"]:
         adapters.update(load_file(str(adapter_dir / name)))

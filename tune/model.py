@@ -19,7 +19,7 @@ def load(model_dir: Path, device: str) -> torch.nn.Module:
     config = cls.config_class(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     config.architectures = raw["architectures"]
     config._attn_implementation = "sdpa"
-    model = cls(config)
+    model = cls(config).float()
     state = {k: v.float() for k, v in load_file(str(Path(model_dir) / "model.safetensors")).items()}
     missing, unexpected = model.load_state_dict(state, strict=False)
     allowed = {"lm_head.weight"} if config.tie_word_embeddings else set()

@@ -27,18 +27,23 @@ class DenseEncoder:
         self.tok.enable_padding(pad_id=0)
 
     def encode(self, texts: list[str], batch: int = 128) -> np.ndarray:
-        """float32 [n, dim] unit vectors."""
+        """float32 [n, dim] unit vectors; texts are batched by length, so little of a batch is padding."""
         torch, out = self.torch, []
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
         with torch.no_grad():
             for s in range(0, len(texts), batch):
-                enc = self.tok.encode_batch(texts[s:s + batch])
+                enc = self.tok.encode_batch([texts[i] for i in order[s:s + batch]])
                 ids = torch.tensor([e.ids for e in enc], device=self.device)
                 mask = torch.tensor([e.attention_mask for e in enc], device=self.device)
                 hidden = self.model(input_ids=ids, attention_mask=mask).last_hidden_state
                 m = mask[..., None].float()
                 v = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
                 out.append(torch.nn.functional.normalize(v, dim=-1).cpu().numpy())
-        return np.concatenate(out).astype(np.float32) if out else np.zeros((0, 0), np.float32)
+        if not out:
+            return np.zeros((0, 0), np.float32)
+        vectors = np.empty((len(texts), out[0].shape[1]), np.float32)
+        vectors[order] = np.concatenate(out)
+        return vectors
 
 
 class Retriever:
@@ -50,6 +55,7 @@ class Retriever:
         if encoder is not None:
             fused = True
         self.encoder, self.cache_path, self.mode = encoder, cache, "fused" if fused else "bm25"
+        self.tool_vectors: dict[str, np.ndarray] = {}   # by catalog digest
         self.cache: dict[str, list[int]] = json.loads(cache.read_text()) if cache and cache.is_file() else {}
 
     def shortlists(self, catalog_digest: str, names: list[str], descriptions: list[str], queries: list[str],
@@ -61,7 +67,12 @@ class Retriever:
         if todo and mode == "fused" and self.encoder is None:
             raise ValueError(f"{len(todo)} fused shortlists are not in the cache and no encoder was given")
         if todo:
-            for q, ids in zip(todo, fused_top_n(names, descriptions, todo, n, self.encoder)):
+            tools = None
+            if self.encoder is not None:
+                if catalog_digest not in self.tool_vectors:
+                    self.tool_vectors[catalog_digest] = self.encoder.encode(tool_texts(names, descriptions))
+                tools = self.tool_vectors[catalog_digest]
+            for q, ids in zip(todo, fused_top_n(names, descriptions, todo, n, self.encoder, tools)):
                 self.cache[hashlib.sha256(f"{mode}|{n}|{catalog_digest}|{q}".encode()).hexdigest()[:24]] = ids
             if self.cache_path:
                 self.cache_path.write_text(json.dumps(self.cache, separators=(",", ":")))
@@ -69,11 +80,13 @@ class Retriever:
 
 
 def fused_top_n(names: list[str], descriptions: list[str], queries: list[str], n: int,
-                encoder: DenseEncoder | None) -> list[list[int]]:
-    """Top-n by DENSE_WEIGHT * cosine + (1 - DENSE_WEIGHT) * BM25 / best BM25 (BM25 alone without an encoder)."""
+                encoder: DenseEncoder | None, tools: np.ndarray | None = None) -> list[list[int]]:
+    """Top-n by DENSE_WEIGHT * cosine + (1 - DENSE_WEIGHT) * BM25 / best BM25 (BM25 alone without an encoder);
+    `tools`: the tools' vectors when already encoded."""
     index = Bm25Index.build([tool_terms(a, d) for a, d in zip(names, descriptions)])
     if encoder is not None:
-        tools = encoder.encode([f"{a}: {d}" if d else a for a, d in zip(names, descriptions)])
+        if tools is None:
+            tools = encoder.encode(tool_texts(names, descriptions))
         intents = encoder.encode(queries)
     n = min(n, len(names))
     out = []
@@ -84,6 +97,11 @@ def fused_top_n(names: list[str], descriptions: list[str], queries: list[str], n
         score = lexical if encoder is None else DENSE_WEIGHT * (tools @ intents[i]) + (1 - DENSE_WEIGHT) * lexical
         out.append([int(j) for j in np.lexsort((np.arange(len(names)), -score))[:n]])
     return out
+
+
+def tool_texts(names: list[str], descriptions: list[str]) -> list[str]:
+    """What the encoder reads of each tool (decoder_service.retrieval's): its name and its description."""
+    return [f"{a}: {d}" if d else a for a, d in zip(names, descriptions)]
 
 
 def with_gold(shortlist: list[int], gold: list[int]) -> list[int]:
