@@ -62,13 +62,14 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
     zeros = lambda: i32(np.zeros(rows))  # noqa: E731
     row = {"base": zeros(), "const": i32(np.full(rows, const)), "node": zeros(), "n_emitted": zeros(),
            "k": i32(np.full(rows, 3)), "allow_start": zeros(), "allow_len": i32(np.full(rows, -1)),
-           "emitted": i32(np.full(rows * 4, -1))}
+           "prior": zeros(), "emitted": i32(np.full(rows * 4, -1))}
     cand = {"token": i32(np.zeros(rows * cmax)) if cand_token is None else cand_token,
             "count": zeros() if count is None else count, "status": zeros(),
-            **{key: i32(np.zeros(rows * cmax)) for key in ("child", "lo", "edge", "ends")}}
+            **{key: i32(np.zeros(rows * cmax)) for key in ("child", "lo", "edge", "ends")},
+            "bias": cuda.to_device(np.zeros(rows * cmax, np.float32))}
     picks = {"done": zeros(), "token": zeros(), "edge": zeros(), "logprob": cuda.to_device(np.zeros(rows))}
-    mask, select = cs.sampler_launches(cs.SamplerKernels.get(), stream, i32(packed), row, 4, i32(np.zeros(1)), True,
-                                       cand, cmax, logits, picks)
+    mask, select = cs.sampler_launches(cs.SamplerKernels.get(), stream, i32(packed), row, 4, i32(np.zeros(1)),
+                                       cuda.to_device(np.zeros(1, np.float32)), True, cand, cmax, logits, picks)
     return mask, select, row, cand
 
 
