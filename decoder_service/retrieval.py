@@ -116,9 +116,7 @@ class Retriever:
         """`scores`' fusion over every tool, as a*cos + k0 + c*bm25: the cosines' mean and spread from the
         precomputed moments, BM25's from the matched tools (the others score 0)."""
         q = self.encoder.encode([intent])[0]
-        lexical = self.index.scores(intent, self.size)
-        ids = np.flatnonzero(lexical).astype(np.int32)
-        values = lexical[ids]
+        ids, values = self.index.matched(intent, self.size)
         md = float(self.mean @ q)
         sd = math.sqrt(max(float(q @ self.gram @ q) - md * md, 0.0))
         mb = float(values.sum(dtype=np.float64)) / self.size

@@ -23,8 +23,8 @@ from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
 WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, kernels.WARP)
-THREADS = 8 if SIM else 256  # k_best's block
-SLICE = 64 if SIM else 2048  # tools per k_best block
+THREADS = 8 if SIM else 64   # k_best's block: two warps keep a round's reduction short
+SLICE = 64 if SIM else 1024  # tools per k_best block
 MAX_N = 64                  # longest shortlist the device path serves (longer: the host's)
 _F, _H, _I = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32))
 _S, _X = t.int32, t.float32

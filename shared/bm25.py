@@ -78,6 +78,15 @@ class Bm25Index:
         _accumulate(ids, self.term_start, self.doc, self.weight, out)
         return out
 
+    def matched(self, query: str, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+        """(ids, scores) of the tools with a nonzero score for the query, in the order the postings first
+        touch them (the rest score 0): what a scorer over a large catalog needs, without a pass over it."""
+        ids = np.asarray(sorted({self._index.get(t, -1) for t in terms(query)} - {-1}), np.int32)
+        out = np.zeros(n_docs, np.float32)
+        touched = np.empty(n_docs, np.int32)
+        n = _accumulate_touched(ids, self.term_start, self.doc, self.weight, out, touched)
+        return touched[:n].copy(), out[touched[:n]]
+
     @property
     def _index(self) -> dict[str, int]:
         if not hasattr(self, "_lookup"):
@@ -101,3 +110,18 @@ def _accumulate(term_ids, term_start, doc, weight, out):
     for t in term_ids:
         for p in range(term_start[t], term_start[t + 1]):
             out[doc[p]] += weight[p]
+
+
+@njit(cache=True)
+def _accumulate_touched(term_ids, term_start, doc, weight, out, touched):
+    """_accumulate, also listing each tool the first time a posting touches it (weights are positive, so
+    an untouched tool's score is still 0); returns how many were touched."""
+    n = 0
+    for t in term_ids:
+        for p in range(term_start[t], term_start[t + 1]):
+            d = doc[p]
+            if out[d] == 0.0:
+                touched[n] = d
+                n += 1
+            out[d] += weight[p]
+    return n
