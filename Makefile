@@ -12,7 +12,7 @@ MODEL := $(MODEL_DIR)/model.safetensors
 ENCODER_DIR := models/all-MiniLM-L6-v2
 ENCODER := $(ENCODER_DIR)/model.safetensors
 
-.PHONY: setup redis proto model run test fuzz bench bench-compiler lint clean tune
+.PHONY: setup redis proto model run test quality bench bench-compiler lint clean tune
 
 setup: $(STAMP) proto redis
 
@@ -67,6 +67,11 @@ test: setup model
 # counts by status code.
 fuzz: setup model
 	TOOLTRIE_FUZZ_EXAMPLES=25000 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_fuzz.py
+
+# Answer quality on the validation split: the retrievers and tooltrie's answers, per data set and k
+# (bench/quality.py; the CPU measures a sample of 100 queries a set, a GPU all of them).
+quality: setup model
+	$(PY) -m bench.quality
 
 # Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from BM25 fused with
 # all-MiniLM-L6-v2 (tune/shortlist.py). Writes var/tune/ (adapters, merged model, card.json).
