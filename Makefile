@@ -12,7 +12,7 @@ MODEL := $(MODEL_DIR)/model.safetensors
 ENCODER_DIR := models/all-MiniLM-L6-v2
 ENCODER := $(ENCODER_DIR)/model.safetensors
 
-.PHONY: setup redis proto model run test quality bench bench-compiler lint clean tune
+.PHONY: setup redis proto model run test fuzz quality bench bench-compiler lint clean tune
 
 setup: $(STAMP) proto redis
 
