@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     repeat = {k: int(v) for k, v in (x.split("=") for x in filter(None, args.repeat.split(",")))}
     rng = random.Random(args.seed)
     enc = Encoder(args.base)
-    retriever = Retriever(DenseEncoder(args.encoder) if args.encoder else None, args.shortlist_cache,
+    retriever = Retriever(DenseEncoder(args.encoder, device) if args.encoder else None, args.shortlist_cache,
                           fused=args.retrieval == "fused")
     train_items, valid_items, counts = [], [], {}
     for source in sources_of(args):
