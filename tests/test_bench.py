@@ -29,10 +29,9 @@ def test_report_renders_the_recorded_h200_run_as_written():
     res = json.loads((RESULTS / "bench_h200.json").read_text())
     md = report.markdown(res)
     assert md + "\n" == (RESULTS / "bench_h200.md").read_text()
-    assert "| smollm2-135m | metatool | 7.8x | 10.2x | 28.5x |" in md
-    assert "| qwen3-1.7b | metatool | 7.3x | 5.9x | - |" in md     # that run ended before the peer's batches
-    assert "| qwen3-1.7b | sealtools | 2.3x | 3.3x | 4.8x |" in md
-    assert "**0 mismatches**" in md
+    assert "| smollm2-135m | metatool | 4.4x | 4.4x | 1.5x |" in md     # the shortlist prompt, both sides
+    assert "| smollm2-135m | sealtools | 5.9x | 5.9x | 2.1x |" in md
+    assert "100,000 tools: compiled in" in md and "**0 mismatches**" in md
 
 
 def test_a_merged_run_keeps_the_workloads_it_does_not_measure_with_the_run_they_came_from():
