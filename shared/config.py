@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"
+BASE_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"            # converted from its PyPI wheel
+DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-tuned"    # the base + tune/adapters (make model)
 DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
 
 # Environment variable -> (default, meaning). Read by Settings and listed by `tooltrie env`.

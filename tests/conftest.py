@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' own helper modules
 
-from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
+from shared.config import BASE_MODEL_DIR  # noqa: E402
 from shared.redis_server import LocalRedis  # noqa: E402
 from tokenizer_fixtures import make_tokenizer_dir  # noqa: E402
 
@@ -31,6 +31,7 @@ def small_tokenizer_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    if not (DEFAULT_MODEL_DIR / "model.safetensors").is_file():
+    """The base checkpoint as converted (the tuned default answers tool names, not chat)."""
+    if not (BASE_MODEL_DIR / "model.safetensors").is_file():
         pytest.skip("the default model is not converted: run `make model`")
-    return DEFAULT_MODEL_DIR
+    return BASE_MODEL_DIR

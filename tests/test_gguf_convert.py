@@ -21,9 +21,9 @@ from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
 from decoder_service import gguf_convert
-from shared.config import DEFAULT_MODEL_DIR
+from shared.config import BASE_MODEL_DIR
 
-MODEL_DIR = DEFAULT_MODEL_DIR
+MODEL_DIR = BASE_MODEL_DIR
 
 
 def needs_model(test):

