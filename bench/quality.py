@@ -57,7 +57,7 @@ def k_group(k: int) -> str:
 class Harness:
     """The model, its engine per fusion weight, and the encoder: loaded once for every data set."""
 
-    def __init__(self, model_dir, encoder_dir, backend: str):
+    def __init__(self, model_dir, encoder_dir, backend: str, dense_weight: float = DENSE_WEIGHT):
         self.kind = resolve_backend(backend)
         cfg = ModelConfig.from_dir(model_dir)
         self.spec = KVPoolSpec.from_tokens(65536)
@@ -65,6 +65,7 @@ class Harness:
                                     self.kind)
         self.cfg, self.tok = cfg, ModelTokenizer(model_dir)
         self.encoder = load_encoder(encoder_dir, self.kind)
+        self.dense_weight = dense_weight
 
     def engine(self, weight: float) -> DecodeEngine:
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
@@ -76,7 +77,7 @@ class Harness:
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
         vectors_s = time.perf_counter() - started
-        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder)
+        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder, self.dense_weight)
         queries = sample(dataset.queries(name, split), n)
         names = trie.pointer_names
         lists = defaultdict(list)
@@ -141,13 +142,16 @@ def main() -> None:
     p.add_argument("--sets", default=",".join(dataset.SETS))
     p.add_argument("--split", default="validation", choices=["train", "validation"])
     p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
-    p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's setting)")
+    p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's "
+                   "setting; none: the retrievers alone)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--encoder", default=Settings().encoder_dir)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT, help="the retrievers' fusion (training split only)")
     args = p.parse_args()
-    weights = [float(w) for w in args.weights.split(",")] if args.weights else [Settings().fusion_weight]
-    harness = Harness(args.model, args.encoder, args.backend)
+    weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
+               else [Settings().fusion_weight])
+    harness = Harness(args.model, args.encoder, args.backend, args.dense_weight)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
     results = []
@@ -158,7 +162,7 @@ def main() -> None:
     out = REPO_ROOT / "bench" / "results" / f"quality_{device}{'' if args.split == 'validation' else '_train'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
-                               "encoder": harness.encoder.name, "dense_weight": DENSE_WEIGHT,
+                               "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
                                "shortlist": SHORTLIST, "weights": weights, "results": results}, indent=1) + "\n")
     print(table(results))
 
