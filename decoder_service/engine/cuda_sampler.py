@@ -404,7 +404,7 @@ class DeviceSampler:
         n = len(seqs)
         allow_total = sum(len(s.allow) for s in seqs if not s.allow_all)
         if (n > self.be.max_logit_rows or allow_total > self.max_allow
-                or any(s.catalog.max_fanout > self.be.max_candidates or s.k > self.max_k for s in seqs)):
+                or any(most_candidates(s) > self.be.max_candidates or s.k > self.max_k for s in seqs)):
             return self.fallback.choose(seqs)
         for seq in seqs:
             self._register(seq.catalog)
@@ -470,6 +470,14 @@ class DeviceSampler:
         status, token, edge = (out[i * rows:i * rows + n] for i in range(3))
         return [Pick(int(edge[i]), int(token[i]), float(logprob[i])) if status[i] == OK
                 else empty_mask_message(seq) for i, seq in enumerate(picks.seqs)]
+
+
+def most_candidates(seq) -> int:
+    """The most legal edges a row can have at any node: the trie's widest node, or with an allowlist (a
+    shortlist) one edge per allowed pointer plus the two control edges, whichever is fewer."""
+    if seq.allow_all:
+        return seq.catalog.max_fanout
+    return min(seq.catalog.max_fanout, len(seq.allow) + 2)
 
 
 class DevicePicks(NamedTuple):
