@@ -167,7 +167,8 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
         encode.append(time.perf_counter() - t)
     out = {"tools": n_tools, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
            "shortlist": percentiles(times), "encode_intent": percentiles(encode)}
-    log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, shortlist p50 {out['shortlist']['p50_ms']:.3f} ms "
+    log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, "
+        f"shortlist p50 {out['shortlist']['p50_ms']:.3f} ms "
         f"(encoding the intent {out['encode_intent']['p50_ms']:.3f} ms)")
     return out
 

@@ -147,7 +147,8 @@ def main() -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--encoder", default=Settings().encoder_dir)
     p.add_argument("--backend", default="auto")
-    p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT, help="the retrievers' fusion (training split only)")
+    p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
+                   help="the retrievers' fusion (training split only)")
     args = p.parse_args()
     weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
                else [Settings().fusion_weight])

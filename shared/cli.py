@@ -129,7 +129,8 @@ def cmd_discover(args) -> int:
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
         for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow,
                                     shortlist=args.shortlist, retrieve_only=args.retrieve_only):
-            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, retrieval rank {tool.retrieval_rank + 1}, "
+            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, "
+                  f"retrieval rank {tool.retrieval_rank + 1}, "
                   f"{tool.catalog} v{tool.version})", flush=True)
         d = client.done
         print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; retrieval {d.retrieval_ms:.0f} ms, "

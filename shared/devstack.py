@@ -109,8 +109,8 @@ def run(settings: Settings) -> int:
               f"metrics on http://127.0.0.1:{settings.metrics_port}/metrics)")
         # the demo catalog's own health, not the decoder's: another catalog left in Redis by an earlier run
         # may be ready first, and the questions below are asked of metatool
-        wait_serving(settings.decoder_addr, 900, decoder, "loading the model and warming the catalog prefix",
-                     service="tooltrie.catalog.metatool")
+        wait_serving(settings.decoder_addr, 900, decoder,
+                     "loading the models and the catalog (tool vectors, prefix)", service="tooltrie.catalog.metatool")
         for intent, k in DEMO_INTENTS:
             print(f"\n> {intent}  (k={k})")
             cli.main(["--decoder", settings.decoder_addr, "discover", intent, "-k", str(k), "--catalog", "metatool"])
