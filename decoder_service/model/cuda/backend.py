@@ -16,7 +16,7 @@ Device buffers (numba device arrays, flat, row-major; the engine may read or wri
     tokens, slots, positions [max_rows] i32; attention's row list [max_rows] and row tiles (first
     row, rows, split) [3 max_rows] i32;
     logit_rows [max_logit_rows] i32;
-    block_tables [max_table] i32 (row stride = `table_stride`, set by stage() or set_table_stride());
+    block_tables [max_table] i32 (row stride = `table_stride`, set by stage());
     hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
     cand [max_logit_rows * max_candidates] i32, ncand [max_logit_rows] i32,
     sparse [max_logit_rows * max_candidates] f32; kv_k, kv_v (the pool, flat
@@ -541,10 +541,6 @@ class CudaBackend:
         stride is a launch parameter; the padding is -1, never read)."""
         stride = 1 << max(0, mb - 1).bit_length()
         return stride if S * stride <= self.max_table else mb
-
-    def set_table_stride(self, mb: int) -> None:
-        """Row stride of `block_tables` for launches from now on (and for graphs captured after)."""
-        self.table_stride.value = int(mb)
 
     def launch_forward(self, R: int, N: int, max_ctx: int | None = None) -> None:
         """Enqueue the forward pass of rows 0..R-1 (inputs already in the device buffers; the first
