@@ -82,6 +82,7 @@ def main() -> None:
     from shared.tokenizer import ModelTokenizer
     from tokenizer_fixtures import catalog_path, make_tokenizer_dir
     import tempfile
+    from types import SimpleNamespace
     sim_accel.install()
     tok = ModelTokenizer(make_tokenizer_dir(Path(tempfile.mkdtemp())))
     tries = {n: compile_catalog(parse_registry(catalog_path(n).read_text()), tok)
@@ -158,6 +159,9 @@ def main() -> None:
         buf = np.empty(4096, np.int32)
         c = legal_edges(node, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, em, n, k, allow,
                         len(allow) == 0, buf)
+        row = SimpleNamespace(allow=allow, allow_all=not len(allow), catalog=SimpleNamespace(max_fanout=t.max_fanout()))
+        if c > cs.most_candidates(row):   # the bound that keeps a shortlisted row on the device
+            mismatches.append(f"row {i} ({name}): {c} legal edges, over the bound for {len(allow)} allowed tools")
         if status[i] != cs.OK or nc[i] != c or list(edges[i, :c]) != list(buf[:c]):
             mismatches.append(f"row {i} ({name}): mask {list(edges[i, :nc[i]])[:8]} vs host {list(buf[:c])[:8]}")
             continue
