@@ -77,10 +77,10 @@ class Retriever:
                  dense_weight: float = DENSE_WEIGHT):
         self.index, self.size, self.vectors, self.encoder = index, size, vectors, encoder
         self.dense_weight = dense_weight if encoder is not None else 0.0
-        self.device = None
+        self.device, self.device_max = None, 0
         if encoder is not None and encoder.backend_name == "cuda":
-            from decoder_service.retrieval_cuda import DeviceScorer
-            self.device = DeviceScorer(vectors)
+            from decoder_service.retrieval_cuda import MAX_N, DeviceScorer
+            self.device, self.device_max = DeviceScorer(vectors), MAX_N
             # the cosines' mean and second moment over every tool, for any intent q: mean @ q and q @ gram @ q
             self.mean = vectors.astype(np.float64).mean(axis=0)
             self.gram = (vectors.T @ vectors).astype(np.float64) / len(vectors)
@@ -101,10 +101,9 @@ class Retriever:
     def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
         """The n best tools for the intent among those allowed (all when allow is None), best first; on a
         GPU the whole catalog is scored on the device."""
-        from decoder_service.retrieval_cuda import MAX_N
         started = time.perf_counter()
         n = min(n, self.size if allow is None else len(allow))
-        if self.device is not None and allow is None and n <= MAX_N:
+        if self.device is not None and allow is None and n <= self.device_max:
             ids, scores = self._on_device(intent, n)
         else:
             fused = self.scores(intent, allow)

@@ -42,7 +42,7 @@ from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
-from decoder_service.retrieval import Retriever, Shortlist, bm25_index
+from decoder_service.retrieval import SHORTLIST, Retriever, Shortlist, bm25_index
 from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")
@@ -82,7 +82,7 @@ class EngineConfig:
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
     step_ahead: bool = True        # enqueue the next step before reading the picks, where it can be (below)
     finish_forced: bool = True     # end an answer once its last name is the only one left below its node
-    shortlist: int = 20            # tools retrieved into a request's prompt (the answer is k of them)
+    shortlist: int = SHORTLIST     # tools retrieved into a request's prompt (the answer is k of them)
     max_shortlist: int = 256       # the most a request may ask for
     fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
 
