@@ -52,9 +52,9 @@ def main():
                     answers.append((now, version))
                     first.setdefault(version, now)
             except Exception as e:  # noqa: BLE001 - counted
+                code, detail = (e.code(), e.details()) if hasattr(e, "details") else ("", str(e))
                 with lock:
-                    failures.append(f"{type(e).__name__}: {getattr(e, 'code', lambda: '')()} "
-                                    f"{getattr(e, 'details', lambda: str(e))()}"[:200])
+                    failures.append(f"{type(e).__name__}: {code} {detail}"[:200])
             n += 1
     workers = [threading.Thread(target=client, args=(i,)) for i in range(args.streams)]
     for w in workers:

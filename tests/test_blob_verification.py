@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY
 from decoder_stack import TOOLS, DecoderStack, discover, failure, trie_of, wait_until
 from shared.store import BlobRejected, CatalogStore, blob_digest
 from shared.tokenizer import ModelTokenizer
-from shared.trie import SEP, Trie, TrieCorrupt
+from shared.trie import Trie, TrieCorrupt
 
 
 @pytest.fixture(scope="module")

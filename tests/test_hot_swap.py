@@ -2,7 +2,6 @@
 blocks the others; a newer publish supersedes a load in progress; accepted streams are never cut by
 connection ageing; retention never deletes a version a decoder holds; the compiler's health follows Redis."""
 import dataclasses
-import json
 import threading
 import time
 
