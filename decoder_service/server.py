@@ -13,16 +13,15 @@ import time
 import uuid
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge, Histogram
 
 from decoder_service.catalogs import CatalogManager, CatalogRefused
 from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
+from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2
-
-from shared.catalog import CATALOG_NAME, shown
 from shared.serving import (RPC_TOTAL, Credentials, Guard, Rule, make_server, server_credentials, set_serving,
                             setup_logging, start_metrics, status_for, wait_for_termination)
 from shared.store import CatalogStore
@@ -188,9 +187,7 @@ def check_discover(settings: Settings):
     max_name = settings.max_name_chars
 
     def validate(request) -> None:
-        if not CATALOG_NAME.fullmatch(request.catalog):
-            raise ValueError(f"catalog name {shown(request.catalog)} is not valid: use 1-64 of A-Z a-z 0-9 . _ - "
-                             "starting with a letter or digit")
+        check_catalog_name(request.catalog)
         if len(request.request_id) > MAX_REQUEST_ID_CHARS or not request.request_id.isprintable():
             raise ValueError(f"request_id must be at most {MAX_REQUEST_ID_CHARS} printable characters "
                              f"(got {len(request.request_id)})")
