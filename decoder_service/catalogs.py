@@ -57,26 +57,25 @@ def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer
     stored under (the version a request is told comes from the key, never from the blob), pass
     Trie.check, spell each tool's name with its tokens (when the tokenizer is given; a blob whose names
     were rotated would answer with wrong names) and carry a well-formed BM25 index."""
-    from decoder_service.retrieval import bm25_index
     try:
         trie = Trie.from_blob(blob)
     except Exception as e:  # noqa: BLE001 - whatever a damaged blob raises, it is refused
         raise BlobRejected(f"catalog {name!r} v{version}: the blob cannot be read ({type(e).__name__}: "
-                           f"{str(e)[:200]})") from None
+                           f"{str(e)[:200]})", "unreadable") from None
     if trie.meta.get("name") != name or trie.meta.get("version") != version:
         raise BlobRejected(f"catalog {name!r} v{version}: the blob says it is {str(trie.meta.get('name'))[:80]!r} "
-                           f"v{str(trie.meta.get('version'))[:20]}")
+                           f"v{str(trie.meta.get('version'))[:20]}", "key")
     try:
         trie.check(vocab_size)
         bm25_index(trie)
     except (TrieCorrupt, ValueError, KeyError, TypeError) as e:
-        raise BlobRejected(f"catalog {name!r} v{version}: {str(e)[:300]}") from None
+        raise BlobRejected(f"catalog {name!r} v{version}: {str(e)[:300]}", "arrays") from None
     if tokenizer is not None:
         spelled = tokenizer.decode_batch(trie.spelled(), skip_special_tokens=False)
         wrong = next((i for i, (a, b) in enumerate(zip(spelled, trie.pointer_names)) if a != b), None)
         if wrong is not None:
             raise BlobRejected(f"catalog {name!r} v{version}: tool #{wrong}'s tokens spell {spelled[wrong][:80]!r}, "
-                               f"its name is {trie.pointer_names[wrong][:80]!r}")
+                               f"its name is {trie.pointer_names[wrong][:80]!r}", "arrays")
     return trie
 
 
@@ -212,10 +211,7 @@ class CatalogManager:
             blob = self.store.verified_blob(name, version)
             return verify_trie(name, version, blob, vocab, tok.tokenizer)
         except BlobRejected as e:
-            reason = ("signature" if "signature" in str(e) or "not signed" in str(e) else
-                      "digest" if "sha256" in str(e) else "key" if "says it is" in str(e) or "info names" in str(e)
-                      else "unreadable" if "cannot be read" in str(e) else "arrays")
-            BLOBS_REJECTED.labels(reason).inc()
+            BLOBS_REJECTED.labels(e.reason).inc()
             log.error("refused %s v%d: %s", name, version, e)
             message = f"catalog {name!r} v{version} is refused: its stored blob failed verification ({e})"
             with self._lock:

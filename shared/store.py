@@ -27,7 +27,12 @@ class NotFound(KeyError):
 
 class BlobRejected(ValueError):
     """A stored blob that does not match what the compiler recorded for it (its digest, its signature,
-    its key): never served."""
+    its key): never served. reason names the check that failed (a metric label: signature, digest, key,
+    unreadable, arrays)."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
 
 
 def blob_digest(blob: bytes) -> str:
@@ -231,17 +236,18 @@ class CatalogStore:
         blob = self.blob(name, version)
         info = self.info(name, version)
         if info.name != name or info.version != version:
-            raise BlobRejected(f"catalog {name!r} v{version}: its info names {info.name!r} v{info.version}")
+            raise BlobRejected(f"catalog {name!r} v{version}: its info names {info.name!r} v{info.version}", "key")
         if self.signing_key:
             if not info.signature:
-                raise BlobRejected(f"catalog {name!r} v{version} is not signed, and a signing key is set")
+                raise BlobRejected(f"catalog {name!r} v{version} is not signed, and a signing key is set", "signature")
             expected = blob_signature(self.signing_key, name, version, blob)
             if not hmac.compare_digest(expected, info.signature):
                 raise BlobRejected(f"catalog {name!r} v{version}: the blob's signature does not match "
-                                   "(changed after publishing, stored under another key, or another signing key)")
+                                   "(changed after publishing, stored under another key, or another signing key)",
+                                   "signature")
         if info.blob_sha256 and not hmac.compare_digest(blob_digest(blob), info.blob_sha256):
             raise BlobRejected(f"catalog {name!r} v{version}: the blob's sha256 is not the one recorded at "
-                               "publishing (changed or truncated in Redis)")
+                               "publishing (changed or truncated in Redis)", "digest")
         return blob
 
     def vectors(self, name: str, version: int, encoder_digest: str) -> bytes | None:
