@@ -174,9 +174,10 @@ class CatalogStore:
     def unlease(self, name: str, version: int, holder: str) -> None:
         self.r.zrem(self._key(name, "leases"), f"{version}:{holder}")
 
-    def leased(self, name: str) -> set[int]:
-        """Versions of name some holder's unexpired lease names."""
-        members = self.r.zrangebyscore(self._key(name, "leases"), self._now(), "+inf")
+    def leased(self, name: str, client=None) -> set[int]:
+        """Versions of name some holder's unexpired lease names (read through client when given: _trim's
+        watching pipeline)."""
+        members = (client or self.r).zrangebyscore(self._key(name, "leases"), self._now(), "+inf")
         return {int(m.split(b":", 1)[0]) for m in members}
 
     def _now(self) -> float:
@@ -196,7 +197,7 @@ class CatalogStore:
                 try:
                     p.watch(latest_key, lease_key)
                     latest = int(p.get(latest_key) or 0)
-                    leased = {int(m.split(b":", 1)[0]) for m in p.zrangebyscore(lease_key, self._now(), "+inf")}
+                    leased = self.leased(name, p)
                     drop = [v for v in old if v != latest and v not in leased]
                     if not drop:
                         p.unwatch()
