@@ -9,7 +9,9 @@ import numpy as np
 
 from shared.bm25 import Bm25Index, tool_terms
 
-DENSE_WEIGHT = 0.5   # decoder_service.retrieval's fusion: weight * cosine + (1 - weight) * BM25 / best BM25
+# The fusion the committed adapters were trained on: weight * cosine + (1 - weight) * BM25 / best BM25. Not
+# decoder_service.retrieval's (standardised scores, its own DENSE_WEIGHT); changing it changes `make tune`.
+DENSE_WEIGHT = 0.5
 MAX_TOKENS = 256     # all-MiniLM-L6-v2's sentence-transformers max_seq_length
 
 
@@ -61,10 +63,9 @@ class Retriever:
     def shortlists(self, catalog_digest: str, names: list[str], descriptions: list[str], queries: list[str],
                    n: int) -> list[list[int]]:
         """Each query's top-n tool indices, best first (ties: lower index first)."""
-        mode = self.mode
-        keys = [hashlib.sha256(f"{mode}|{n}|{catalog_digest}|{q}".encode()).hexdigest()[:24] for q in queries]
+        keys = [self._key(n, catalog_digest, q) for q in queries]
         todo = sorted({q for q, k in zip(queries, keys) if k not in self.cache})
-        if todo and mode == "fused" and self.encoder is None:
+        if todo and self.mode == "fused" and self.encoder is None:
             raise ValueError(f"{len(todo)} fused shortlists are not in the cache and no encoder was given")
         if todo:
             tools = None
@@ -73,10 +74,14 @@ class Retriever:
                     self.tool_vectors[catalog_digest] = self.encoder.encode(tool_texts(names, descriptions))
                 tools = self.tool_vectors[catalog_digest]
             for q, ids in zip(todo, fused_top_n(names, descriptions, todo, n, self.encoder, tools)):
-                self.cache[hashlib.sha256(f"{mode}|{n}|{catalog_digest}|{q}".encode()).hexdigest()[:24]] = ids
+                self.cache[self._key(n, catalog_digest, q)] = ids
             if self.cache_path:
                 self.cache_path.write_text(json.dumps(self.cache, separators=(",", ":")))
         return [self.cache[k] for k in keys]
+
+    def _key(self, n: int, catalog_digest: str, query: str) -> str:
+        """The cache key of one query's shortlist."""
+        return hashlib.sha256(f"{self.mode}|{n}|{catalog_digest}|{query}".encode()).hexdigest()[:24]
 
 
 def fused_top_n(names: list[str], descriptions: list[str], queries: list[str], n: int,
