@@ -279,7 +279,7 @@ class CudaEncoder:
 
     def __init__(self, cfg: EncoderConfig, weights: EncoderWeights, chunk_tokens: int = CHUNK_TOKENS,
                  small_rows: int = SMALL_ROWS, graphs: int = GRAPHS):
-        H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
+        H, I = cfg.hidden_size, cfg.intermediate_size
         for what, k in (("hidden_size", H), ("intermediate_size", I)):
             if k % BM or k % SEG or k // SEG > MAX_SEGS:
                 raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {BM} and at most "
