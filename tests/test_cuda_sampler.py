@@ -75,7 +75,7 @@ def main() -> None:
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
     from decoder_service.engine.catalog_runtime import CatalogRuntime
-    from decoder_service.engine.sampler import SEP, STOP, edge_prior, legal_edges, select
+    from decoder_service.engine.sampler import SEP, STOP, edge_priors, legal_edges, select
     from decoder_service.model.cuda import sim_accel
     from decoder_service.model.cuda.launcher import Stream
     from shared.catalog import parse_registry
@@ -168,7 +168,7 @@ def main() -> None:
         bias = None
         if with_prior[i]:
             p = prior_arena[allow_start[i]:allow_start[i] + len(allow)]
-            bias = np.asarray([edge_prior(t.edge_lo[e], t.edge_hi[e], em, n, allow, p) for e in buf[:c]], np.float32)
+            bias = edge_priors(buf[:c], t.edge_lo, t.edge_hi, em, n, allow, p)
         win, lp = select(logits[i, :c], t.edge_token[buf[:c]], bias)
         if out["edge"][i] != buf[win] or abs(out["logprob"][i] - lp) > 1e-9 * max(1.0, abs(lp)):
             mismatches.append(f"row {i} ({name}): winner {out['edge'][i]} lp {out['logprob'][i]} vs {buf[win]} {lp}")

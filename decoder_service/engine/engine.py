@@ -36,6 +36,7 @@ import uuid
 from collections import deque
 
 import numpy as np
+
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
