@@ -183,10 +183,8 @@ class CatalogManager:
                 with self._lock:
                     self.refused[name] = str(e)
                 raise CatalogRefused(str(e)) from e
-            deadline = time.monotonic() + self.warm_timeout
-            while not rt.ready.wait(0.1):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
+            if not rt.ready.wait(self.warm_timeout):
+                raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
             if superseded and superseded():
                 self.engine.release_catalog(rt)
                 raise Superseded(f"{name} v{version}")
