@@ -172,9 +172,9 @@ class Trie:
         recorded = self.meta.get("max_pointer_tokens")
         if not isinstance(recorded, int) or recorded != int(depth[parent[ctl]].max()):
             bad(f"max_pointer_tokens {recorded!r} is not the trie's depth {int(depth[parent[ctl]].max())}")
-        for key in ("descriptions",):
-            if key in self.meta and (not isinstance(self.meta[key], list) or len(self.meta[key]) != n_ptr):
-                bad(f"metadata {key!r} does not hold one entry per tool")
+        descriptions = self.meta.get("descriptions", [None] * n_ptr)
+        if not isinstance(descriptions, list) or len(descriptions) != n_ptr:
+            bad("metadata 'descriptions' does not hold one entry per tool")
 
     def spelled(self) -> list[list[int]]:
         """Each pointer's tokens, by pointer id, from one walk over the trie (a checked trie)."""
