@@ -9,9 +9,10 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from tune.merge import CONFIG
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FILE_BYTES = 4_500_000   # each adapter file stays under the 5 MB limit
-CONFIG = "adapter_config.json"
 
 
 class LoraLinear(nn.Module):

@@ -9,7 +9,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+from tune.merge import COPIED
 
 
 def load(model_dir: Path, device: str) -> torch.nn.Module:
