@@ -122,12 +122,13 @@ def test_an_expired_lease_no_longer_holds_a_version(redis_url, small_tokenizer_d
     from shared.tokenizer import ModelTokenizer
     tok = ModelTokenizer(small_tokenizer_dir)
     store = CatalogStore.from_url(redis_url, namespace=f"t-lease-{time.time_ns()}", keep_versions=1)
-    store.publish("c", trie_of(tok, TOOLS[:3]))
+    tries = [trie_of(tok, TOOLS[i:i + 3]) for i in (0, 3, 6)]   # compiled first: only the store inside the lease
+    store.publish("c", tries[0])
     store.lease("c", [1], "gone-decoder", ttl=0.5)
-    store.publish("c", trie_of(tok, TOOLS[3:6]))
+    store.publish("c", tries[1])
     assert store.leased("c") == {1} and store.r.exists(store._key("c", "blob", 1))
     time.sleep(0.6)
-    store.publish("c", trie_of(tok, TOOLS[6:9]))
+    store.publish("c", tries[2])
     assert store.leased("c") == set() and [v.version for v in store.list_versions("c")] == [3]
 
 
