@@ -92,16 +92,22 @@ def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrie
                               mode=pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE)
 
 
-class DecoderClient:
+class _Client:
     """target defaults to TOOLTRIE_DECODER_ADDR, token to TOOLTRIE_DISCOVER_TOKEN, TLS to the settings."""
+    aio = False
 
     def __init__(self, target: str | None = None, timeout: float = 60.0, token: str | None = None,
                  settings: Settings | None = None):
         settings = settings or Settings()
-        self.channel = open_channel(target or settings.decoder_addr, settings, options=ROUND_ROBIN)
+        self.channel = open_channel(target or settings.decoder_addr, settings, aio=self.aio, options=ROUND_ROBIN)
         self.stub = pb_grpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
         self.metadata = bearer(settings.discover_token if token is None else token)
+        self.done = None   # the last answer's timings, once its stream has ended
+
+
+class DecoderClient(_Client):
+    """The blocking client (use it in `with`, or close())."""
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                  request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
@@ -129,17 +135,9 @@ class DecoderClient:
         self.close()
 
 
-class AsyncDecoderClient:
+class AsyncDecoderClient(_Client):
     """The asyncio client (use it in `async with`, or await close()); the same defaults as DecoderClient."""
-
-    def __init__(self, target: str | None = None, timeout: float = 60.0, token: str | None = None,
-                 settings: Settings | None = None):
-        settings = settings or Settings()
-        self.channel = open_channel(target or settings.decoder_addr, settings, aio=True, options=ROUND_ROBIN)
-        self.stub = pb_grpc.DecoderServiceStub(self.channel)
-        self.timeout = timeout
-        self.metadata = bearer(settings.discover_token if token is None else token)
-        self.done = None
+    aio = True
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                        request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
