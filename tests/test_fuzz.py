@@ -112,9 +112,10 @@ def test_raw_bytes(compiler, decoder, data, method):
     _, channel = compiler
     call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
     outcome("raw-compiler", lambda: call(data, timeout=30))
-    stream = grpc.insecure_channel(decoder.addr).unary_stream("/tooltrie.v1.DecoderService/Discover",
-                                                             request_serializer=None, response_deserializer=None)
-    outcome("raw-Discover", lambda: stream(data, timeout=30))
+    with grpc.insecure_channel(decoder.addr) as decoder_channel:   # closed after each example
+        stream = decoder_channel.unary_stream("/tooltrie.v1.DecoderService/Discover", request_serializer=None,
+                                              response_deserializer=None)
+        outcome("raw-Discover", lambda: stream(data, timeout=30))
 
 
 def test_the_issues_inputs(compiler, decoder):
