@@ -73,7 +73,7 @@ def _tool_entries(data) -> list[dict]:
 
 def _brief(item) -> str:
     try:
-        return json.dumps(item, ensure_ascii=False)[:200]
+        return json.dumps(item, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return type(item).__name__
 
