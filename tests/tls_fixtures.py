@@ -22,14 +22,10 @@ def make_pki(directory: Path) -> dict[str, Path]:
              "-subj", "/CN=tooltrie-test-ca", cwd=d)
     (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\nextendedKeyUsage=serverAuth\n")
     (d / "client.ext").write_text("subjectAltName=DNS:publisher\nextendedKeyUsage=clientAuth\n")
-    for who in ("server", "client", "stranger"):
-        cn = {"server": "localhost", "client": "publisher", "stranger": "stranger"}[who]
+    (d / "stranger.ext").write_text("extendedKeyUsage=clientAuth\n")
+    for who, cn in (("server", "localhost"), ("client", "publisher"), ("stranger", "stranger")):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{who}.key", "-out", f"{who}.csr",
                  "-subj", f"/CN={cn}", cwd=d)
-        ext = "server.ext" if who == "server" else "client.ext"
-        if who == "stranger":
-            (d / "stranger.ext").write_text("extendedKeyUsage=clientAuth\n")
-            ext = "stranger.ext"
         _openssl("x509", "-req", "-in", f"{who}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{who}.crt", "-days", "2", "-extfile", ext, cwd=d)
+                 "-out", f"{who}.crt", "-days", "2", "-extfile", f"{who}.ext", cwd=d)
     return {p.stem + p.suffix.replace(".", "_"): p for p in d.iterdir()}
