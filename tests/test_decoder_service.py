@@ -277,16 +277,30 @@ def test_a_request_that_expires_while_its_version_warms_never_runs(stack, monkey
     DEADLINE_EXCEEDED, the request never runs, and the version's blocks are released exactly once (the
     pool's invariant holds; it was left with more free blocks than it has, then failed later requests)."""
     store, catalogs, engine = stack["store"], stack["catalogs"], stack["engine"]
-    build = catalogs.retriever
+    build, submit = catalogs.retriever, engine.submit
     monkeypatch.setattr(catalogs, "retriever", lambda *a: (time.sleep(1.0), build(*a))[1])  # a slow warm-up
-    info, _ = store.publish("slowdemo", tries(stack["tok"], TOOLS[:12]))
+
+    stopped = threading.Event()
+
+    def submit_while_the_engine_waits(*a, **kw):
+        engine.stop()   # as under load: whatever the handler queues lands before the engine's next step
+        stopped.set()
+        return submit(*a, **kw)
+    monkeypatch.setattr(engine, "submit", submit_while_the_engine_waits)
+    info, _ = store.publish("slowdemo", tries(stack["tok"], TOOLS[:12]))   # pinned below, never the default:
+    store.publish("slowdemo", tries(stack["tok"], TOOLS[:13]))               # released when its request lets go
     with pytest.raises(grpc.RpcError) as e:
         list(stack["stub"].Discover(pb.DiscoverRequest(catalog="slowdemo", version=info.version, intent="weather",
                                                        k=2), timeout=0.3))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    time.sleep(1.5)   # the handler finishes its load after the client gave up
+    assert stopped.wait(10), "the handler never reached submit"   # it finishes its load after the client gave up
+    time.sleep(0.5)   # and its stream ends
+    try:
+        engine.run_until_idle()   # a request admitted on its released version frees its blocks twice here
+    finally:
+        monkeypatch.setattr(engine, "submit", submit)
+        engine.start()
     assert engine.blocks.consistent() and engine.blocks.num_free <= engine.blocks.num_blocks
-    catalogs.make_default("slowdemo", info.version)       # no longer the latest of nothing: retire it
     for _ in range(3):
         _, pointers, _ = discover(stack["stub"], catalog="demo", intent="book a flight", k=2)
         assert len(pointers) == 2
