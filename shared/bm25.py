@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 from numba import njit
@@ -73,25 +74,24 @@ class Bm25Index:
 
     def scores(self, query: str, n_docs: int) -> np.ndarray:
         """float32 [n_docs]: each tool's BM25 score for the query (0 where no term matches)."""
-        ids = np.asarray(sorted({self._index.get(t, -1) for t in terms(query)} - {-1}), np.int32)
-        out = np.zeros(n_docs, np.float32)
-        _accumulate(ids, self.term_start, self.doc, self.weight, out)
-        return out
+        return self._accumulated(query, n_docs)[0]
 
     def matched(self, query: str, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
         """(ids, scores) of the tools with a nonzero score for the query, in the order the postings first
         touch them (the rest score 0): what a scorer over a large catalog needs, without a pass over it."""
-        ids = np.asarray(sorted({self._index.get(t, -1) for t in terms(query)} - {-1}), np.int32)
-        out = np.zeros(n_docs, np.float32)
-        touched = np.empty(n_docs, np.int32)
-        n = _accumulate_touched(ids, self.term_start, self.doc, self.weight, out, touched)
-        return touched[:n].copy(), out[touched[:n]]
+        out, touched = self._accumulated(query, n_docs)
+        return touched.copy(), out[touched]
 
-    @property
-    def _index(self) -> dict[str, int]:
-        if not hasattr(self, "_lookup"):
-            self._lookup = {t: i for i, t in enumerate(self.terms)}
-        return self._lookup
+    def _accumulated(self, query: str, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
+        """(every tool's score, the ids of the tools the query's postings touched)."""
+        term_ids = np.asarray(sorted({self._lookup.get(t, -1) for t in terms(query)} - {-1}), np.int32)
+        out, touched = np.zeros(n_docs, np.float32), np.empty(n_docs, np.int32)
+        n = _accumulate(term_ids, self.term_start, self.doc, self.weight, out, touched)
+        return out, touched[:n]
+
+    @cached_property
+    def _lookup(self) -> dict[str, int]:
+        return {t: i for i, t in enumerate(self.terms)}
 
     def check(self, n_docs: int) -> None:
         """Refuse an index whose arrays do not describe postings of n_docs tools (a corrupt blob)."""
@@ -105,17 +105,10 @@ class Bm25Index:
 
 
 @njit(cache=True)
-def _accumulate(term_ids, term_start, doc, weight, out):
-    """Sum each matched term's postings into out, terms in ascending id order (a fixed order)."""
-    for t in term_ids:
-        for p in range(term_start[t], term_start[t + 1]):
-            out[doc[p]] += weight[p]
-
-
-@njit(cache=True)
-def _accumulate_touched(term_ids, term_start, doc, weight, out, touched):
-    """_accumulate, also listing each tool the first time a posting touches it (weights are positive, so
-    an untouched tool's score is still 0); returns how many were touched."""
+def _accumulate(term_ids, term_start, doc, weight, out, touched):
+    """Sum each matched term's postings into out, terms in ascending id order (a fixed order), listing each
+    tool in touched the first time a posting reaches it (weights are positive, so an untouched tool's score is
+    still 0); returns how many were touched."""
     n = 0
     for t in term_ids:
         for p in range(term_start[t], term_start[t + 1]):
