@@ -66,9 +66,6 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         self.draining = False
 
     def _abort(self, context, code: grpc.StatusCode, message: str):
-        remaining = context.time_remaining()
-        if code == grpc.StatusCode.CANCELLED and remaining is not None and remaining <= 0.01:
-            code = grpc.StatusCode.DEADLINE_EXCEEDED   # the RPC ended because its deadline passed
         if code == grpc.StatusCode.INTERNAL:
             log.error("Discover failed: %s", message)
         REQUESTS.labels(code.name).inc()

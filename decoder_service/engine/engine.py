@@ -47,6 +47,7 @@ from decoder_service.retrieval import SHORTLIST, Retriever, Shortlist, bm25_inde
 from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")
+EXPIRY_SLACK = 0.01   # seconds: a request cancelled this close to its deadline was cancelled by it
 
 
 def make_sampler(backend, head: str, finish_forced: bool):
@@ -369,11 +370,15 @@ class DecodeEngine:
         log.info("catalog %s v%s warm: %d prefix tokens in %.2f s", *rt.key, len(rt.prefix_ids), rt.warm_seconds)
 
     def _expire(self, now: float) -> None:
+        """Fail cancelled and expired requests. A caller's RPC ends at the deadline it shares with the
+        request and cancels it then, a moment before the engine's clock passes it: within EXPIRY_SLACK of
+        its deadline, a cancelled request counts as expired."""
         for seq in [*self.scheduler.running, *self.scheduler.waiting]:
-            if seq.cancelled:
-                self._fail(seq, FailedEvent("cancelled", "the request was cancelled"))
-            elif seq.deadline is not None and now > seq.deadline:
+            expired = seq.deadline is not None and now > seq.deadline - (EXPIRY_SLACK if seq.cancelled else 0.0)
+            if expired:
                 self._fail(seq, FailedEvent("deadline", "the request's deadline passed"))
+            elif seq.cancelled:
+                self._fail(seq, FailedEvent("cancelled", "the request was cancelled"))
 
     def _fail(self, seq: Sequence, event: FailedEvent) -> None:
         self.scheduler.release(seq)
