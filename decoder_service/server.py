@@ -56,7 +56,7 @@ def retrieved(rt, shortlist, k: int):
     for i, pid in enumerate(shortlist.ids[:k]):
         pid = int(pid)
         yield PointerEvent(index=i, pointer_id=pid, name=rt.trie.pointer_names[pid],
-                           token_ids=tuple(rt.trie.pointer_tokens(pid)), logprob=0.0)
+                           token_ids=tuple(rt.spelled[pid]), logprob=0.0)
     yield DoneEvent(prompt_tokens=0, generated_tokens=0, queue_ms=0.0, prefill_ms=0.0, decode_ms=0.0)
 
 

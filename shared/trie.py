@@ -69,18 +69,6 @@ class Trie:
         i = lo + int(np.searchsorted(self.edge_token[lo:hi], token))
         return i if i < hi and self.edge_token[i] == token else -1
 
-    def pointer_tokens(self, pid: int) -> list[int]:
-        """The tokens that spell pointer pid: down the edges whose ranges hold it, to its control edge."""
-        node, tokens = 0, []
-        while True:
-            lo, hi = int(self.node_edge_start[node]), int(self.node_edge_start[node + 1])
-            inside = [e for e in range(lo, hi) if self.edge_lo[e] <= pid < self.edge_hi[e]]
-            if any(self.edge_child[e] < 0 for e in inside):   # its control edges: the name ends here
-                return tokens
-            e = inside[0]
-            tokens.append(int(self.edge_token[e]))
-            node = int(self.edge_child[e])
-
     def walk(self, tokens, k: int | None = None) -> list[int]:
         """Pointer ids spelled by an answer's tokens; raises TrieWalkError on any token off the trie.
 

@@ -101,6 +101,11 @@ class CatalogRuntime:
     def name_index(self) -> dict[str, int]:
         return {n: i for i, n in enumerate(self.trie.pointer_names)}
 
+    @cached_property
+    def spelled(self) -> list[list[int]]:
+        """Each pointer's tokens, by pointer id (taken once: retrieval-only answers stream them)."""
+        return self.trie.spelled()
+
     @property
     def descriptions(self) -> list[str]:
         return self.trie.meta["descriptions"]
