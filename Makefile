@@ -58,7 +58,7 @@ $(ENCODER): $(STAMP)
 	$(PY) -m decoder_service.encoder.fetch --out $(ENCODER_DIR)
 
 run: setup model
-	$(PY) -m shared.devstack
+	$(PY) -m devstack
 
 test: setup model
 	$(PY) -m pytest -q -p no:cacheprovider
@@ -94,7 +94,7 @@ bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 
 lint: setup
-	$(PY) -m compileall -q shared compiler_service decoder_service tune tests
+	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests
 
 clean:
 	rm -rf $(VENV) var shared/rpc/*_pb2*.py shared/rpc/*_pb2*.pyi

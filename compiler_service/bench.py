@@ -67,7 +67,7 @@ def main() -> None:
     if args.one:
         print(json.dumps(compile_one(Path(args.one[0]), Path(args.model), args.one[1], args.one[2])))
         return
-    from shared.redis_server import LocalRedis
+    from devstack.redis_server import LocalRedis
     work = REPO_ROOT / "var" / "bench"
     work.mkdir(parents=True, exist_ok=True)
     generated = work / "generated_100k.json"

@@ -12,9 +12,9 @@ import grpc
 from compiler_service.compiler import compile_catalog
 from decoder_service.catalogs import CatalogManager
 from decoder_service.server import SERVICE, DecoderServicer, follow_health, guard, server_options
+from devstack.redis_server import free_port
 from engine_fixtures import make_engine, tiny_backend
 from shared.catalog import catalog_from_entries
-from shared.redis_server import free_port
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import make_server
 from shared.store import CatalogStore

@@ -8,11 +8,11 @@ import grpc
 import pytest
 
 from decoder_stack import TOOLS, DecoderStack, discover, failure, trie_of
-from shared import cli
-from shared.client import DecoderClient, bearer
 from shared.config import Settings
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
 from test_tls import start_compiler
+from tooltrie import cli
+from tooltrie.client import DecoderClient, bearer
 
 REGISTRY = json.dumps([{"name": "weather", "description": "forecasts"}, {"name": "news"}])
 

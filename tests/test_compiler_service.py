@@ -12,14 +12,14 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from compiler_service.server import SERVICE, CompilerServicer
-from shared import cli
+from devstack.redis_server import LocalRedis, free_port
 from shared.config import Settings
-from shared.redis_server import LocalRedis, free_port
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
 from shared.serving import make_server, set_serving
 from shared.store import CatalogStore
 from shared.tokenizer import ModelTokenizer
 from tokenizer_fixtures import catalog_path
+from tooltrie import cli
 
 REGISTRY = json.dumps([{"name": "weather", "description": "forecasts"}, {"name": "news", "description": "headlines"}])
 

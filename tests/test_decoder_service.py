@@ -14,10 +14,10 @@ import pytest
 
 from decoder_service.catalogs import CatalogManager
 from decoder_service.server import SERVICE, DecoderServicer
+from devstack.redis_server import free_port
 from engine_fixtures import make_engine, tiny_backend
 from compiler_service.compiler import compile_catalog
 from shared.catalog import catalog_from_entries
-from shared.redis_server import free_port
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import make_server, set_serving
 from shared.store import CatalogStore
@@ -164,8 +164,8 @@ def test_hot_swap_under_load(stack):
 def test_python_clients_and_cli(stack, capsys):
     import asyncio
 
-    from shared import cli
-    from shared.client import AsyncDecoderClient, DecoderClient
+    from tooltrie import cli
+    from tooltrie.client import AsyncDecoderClient, DecoderClient
     addr = stack["addr"]
     with DecoderClient(addr) as client:
         tools = list(client.discover("demo", "find flights", k=2))

@@ -17,8 +17,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from devstack.redis_server import LocalRedis, free_port
 from model_fixtures import make_tiny_model
-from shared.redis_server import LocalRedis, free_port
 from shared.rpc import compiler_pb2 as cpb, compiler_pb2_grpc as cpb_grpc
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.tokenizer import ModelTokenizer

@@ -10,8 +10,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decoder_stack import TOOLS, DecoderStack, discover, trie_of, wait_until
+from devstack.redis_server import LocalRedis, free_port
 from shared.config import Settings
-from shared.redis_server import LocalRedis, free_port
 from shared.serving import follow_redis, make_server
 from shared.store import CatalogStore
 
@@ -158,7 +158,7 @@ def test_compiler_health_follows_redis(tmp_path):
 def test_make_run_waits_for_its_own_catalog(tmp_path, small_tokenizer_dir, redis_url):
     """A small catalog left in Redis warms first: the decoder is SERVING, but devstack waits for the demo
     catalog's own health, so its questions never meet NOT_FOUND."""
-    from shared.devstack import wait_serving
+    from devstack.stack import wait_serving
     s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url)
     try:
         s.store.publish("leftover", trie_of(s.tok, TOOLS[:1]))

@@ -12,15 +12,15 @@ import redis
 
 from compiler_service.server import SERVICE, CompilerServicer, guard
 from decoder_stack import TOOLS, DecoderStack, trie_of
-from shared import cli
-from shared.client import AsyncDecoderClient, DecoderClient, bearer, open_channel
+from devstack.redis_server import LocalRedis, free_port
 from shared.config import Settings
-from shared.redis_server import LocalRedis, free_port
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
 from shared.serving import make_server, server_credentials, set_serving
 from shared.store import CatalogStore
 from shared.tokenizer import ModelTokenizer
 from tls_fixtures import make_pki
+from tooltrie import cli
+from tooltrie.client import AsyncDecoderClient, DecoderClient, bearer, open_channel
 
 REGISTRY = json.dumps([{"name": "weather", "description": "forecasts"}, {"name": "news"}])
 

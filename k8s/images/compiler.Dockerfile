@@ -28,6 +28,7 @@ COPY protos/ protos/
 COPY shared/ shared/
 COPY compiler_service/ compiler_service/
 COPY decoder_service/ decoder_service/
+COPY tooltrie/ tooltrie/
 # Generated gRPC code is not in git: generate it exactly as `make proto` does, then install.
 RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
         --grpc_python_out=. --pyi_out=. protos/*.proto \

@@ -40,6 +40,7 @@ COPY protos/ protos/
 COPY shared/ shared/
 COPY compiler_service/ compiler_service/
 COPY decoder_service/ decoder_service/
+COPY tooltrie/ tooltrie/
 COPY tune/ tune/
 RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
         --grpc_python_out=. --pyi_out=. protos/*.proto \

@@ -65,8 +65,8 @@ class _Authorized:
 
 
 def _compiler(args):
-    from shared.client import bearer, open_channel
     from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
+    from tooltrie.client import bearer, open_channel
     stub = pb_grpc.CompilerServiceStub(open_channel(args.compiler))
     return pb, _Authorized(stub, bearer(args.token))
 
@@ -125,7 +125,7 @@ def cmd_rollback(args) -> int:
 
 
 def cmd_discover(args) -> int:
-    from shared.client import DecoderClient
+    from tooltrie.client import DecoderClient
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
         for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow,
                                     shortlist=args.shortlist, retrieve_only=args.retrieve_only):

@@ -19,9 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared import cli
+from devstack.redis_server import LocalRedis
 from shared.config import REPO_ROOT, Settings
-from shared.redis_server import LocalRedis
+from tooltrie import cli
 
 DEMO_CATALOG = Path(__file__).resolve().parent / "demo" / "metatool_catalog.json"
 DEMO_INTENTS = [("What's the weather going to be like in Paris this weekend?", 2),
@@ -33,7 +33,7 @@ def wait_serving(addr: str, timeout: float, proc: subprocess.Popen, what: str = 
     """Block until the gRPC health service at addr reports SERVING for service ("" : the server as a whole;
     `tooltrie.catalog.<name>`: that catalog on the decoder), showing elapsed time if `what`; fail at once
     if the service's process exits."""
-    from shared.client import open_channel
+    from tooltrie.client import open_channel
     channel = open_channel(addr)
     stub = health_pb2_grpc.HealthStub(channel)
     started = time.monotonic()

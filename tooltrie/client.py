@@ -1,6 +1,6 @@
 """A small Python client for orchestrators: Discover as an iterator (sync) or async iterator (asyncio).
 
-    from shared.client import DecoderClient
+    from tooltrie.client import DecoderClient
     with DecoderClient() as client:          # TOOLTRIE_DECODER_ADDR, TLS and token from the settings
         for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
             print(tool.name, tool.logprob)

@@ -1,0 +1,1 @@
+"""`make run`'s local stack (`python -m devstack`): Redis, both services and the demo registry, on loopback."""

@@ -1,0 +1,1 @@
+"""The client side of tooltrie: the Python client for orchestrators (`client`) and the `tooltrie` command (`cli`)."""
