@@ -1,1 +1,2 @@
-"""`make run`'s local stack (`python -m devstack`): Redis, both services and the demo registry, on loopback."""
+"""`make run`'s local stack (`python -m devstack`) and the redis-server it and the tests start; outside shared/
+because neither service imports it."""

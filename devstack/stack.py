@@ -1,10 +1,10 @@
-"""`make run`: the whole stack on loopback, the demo catalog published and queried, until Ctrl-C.
+"""`make run`: the whole stack on loopback, the demo registry published and queried, until Ctrl-C.
 
 Starts redis-server (unless REDIS_URL is set) with its data under var/, the compiler service,
-publishes the demo catalog (MetaTool's 199 tools) as `metatool`, starts the decoder (GPU if there is
-one, else the CPU backend), waits while it warms the catalog prefix, sends three example intents and
-prints the streamed tool names with scores and timings, then keeps serving. Ctrl-C stops everything
-it started.
+publishes the demo registry (MetaTool's 199 tools) as the catalog `metatool`, starts the decoder (GPU
+if there is one, else the CPU backend), waits while it warms the catalog prefix, sends three example
+intents and prints the streamed tool names with scores and timings, then keeps serving. Ctrl-C stops
+everything it started.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from devstack.redis_server import LocalRedis
 from shared.config import REPO_ROOT, Settings
 from tooltrie import cli
 
-DEMO_CATALOG = Path(__file__).resolve().parent / "demo" / "metatool_catalog.json"
+DEMO_REGISTRY = Path(__file__).resolve().parent / "demo" / "metatool_catalog.json"
 DEMO_INTENTS = [("What's the weather going to be like in Paris this weekend?", 2),
                 ("Find me a cheap flight from Berlin to Lisbon next month", 2),
                 ("Summarise this PDF for me", 1)]
@@ -102,7 +102,7 @@ def run(settings: Settings) -> int:
         stack.callback(stop, compiler)
         wait_serving(settings.compiler_addr, 60, compiler)
         print(f"compiler   {settings.compiler_addr} (log in var/log/compiler.log)")
-        cli.main(["--compiler", settings.compiler_addr, "publish", str(DEMO_CATALOG), "--name", "metatool"])
+        cli.main(["--compiler", settings.compiler_addr, "publish", str(DEMO_REGISTRY), "--name", "metatool"])
         decoder = start_service("decoder_service.server", env, REPO_ROOT / "var" / "log" / "decoder.log")
         stack.callback(stop, decoder)
         print(f"decoder    {settings.decoder_addr} (log in var/log/decoder.log, "

@@ -1,4 +1,4 @@
-"""The `tooltrie` command: compile locally, publish and manage catalog versions through the compiler.
+"""The `tooltrie` command: compile a registry, publish and manage catalog versions, discover tools.
 
 Exit codes: 0 done, 2 bad input (the registry, a name, an argument), 1 anything else (service
 unreachable, not found, internal error). Errors are one line on stderr.

@@ -30,6 +30,7 @@ ROUND_ROBIN = [("grpc.service_config", json.dumps({"loadBalancingConfig": [{"rou
 
 @dataclass(frozen=True)
 class Tool:
+    """One tool of an answer: a streamed Pointer event with the catalog version that answered."""
     index: int             # its place in the answer: a ranking, best first
     name: str
     logprob: float         # the generator's constrained log-probability (0 in retrieval-only mode)
