@@ -1,7 +1,7 @@
 """A real redis-server the project starts itself: on a free loopback port, data under var/.
 
-Used by `make run` (the stack's Redis) and by the test suite (its own Redis for the run). Where
-REDIS_URL is set, nothing is started and that Redis is used instead.
+Used by `make run` (the stack's Redis), the test suite (its own Redis for the run) and `make bench-compiler`.
+Where REDIS_URL is set, `make run` and the tests start nothing and use that Redis instead.
 """
 from __future__ import annotations
 
