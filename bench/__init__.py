@@ -1,0 +1,1 @@
+"""The benchmark harness: `python -m bench <command>` (bench/__main__.py lists the commands)."""

@@ -1,6 +1,6 @@
 """Answer quality: recall@k and exact-set of the retrievers and of tooltrie's answers, in one run.
 
-    .venv/bin/python -m bench.quality [--split validation] [--sample 100] [--weights 1000] [--backend auto]
+    .venv/bin/python -m bench quality [--split validation] [--sample 100] [--weights 1000] [--backend auto]
 
 For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
 (shared/dataset.py; `--split train` to choose settings, never validation): BM25 top-k, the dense encoder's
@@ -12,7 +12,6 @@ bench/results/quality_<device>.json. --sample N takes every m-th query so that N
 """
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from collections import defaultdict
@@ -27,7 +26,8 @@ from decoder_service.model.backend import make_backend, resolve_backend, weights
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors, top_n
+from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors,
+                                        intent_parts, top_n)
 from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
@@ -72,7 +72,7 @@ class Harness:
                             self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
 
     def run(self, name: str, split: str, n: int, weights: list[float]) -> dict:
-        trie = compile_catalog(parse_registry(dataset.catalog_path(name).read_text()), self.tok)
+        trie = compile_catalog(parse_registry(dataset.registry(name)), self.tok)
         trie.meta.update(name=name, version=1)
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
@@ -84,7 +84,7 @@ class Harness:
         shortlists = []
         for q in queries:
             k = len(q.tools)
-            dense = vectors @ self.encoder.encode([q.text])[0]
+            dense = (vectors @ self.encoder.encode(intent_parts(q.text)).T).max(axis=1)
             lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
             s = retriever.shortlist(q.text, max(SHORTLIST, k))
@@ -137,8 +137,7 @@ def table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def quality_arguments(p) -> None:
     p.add_argument("--sets", default=",".join(dataset.SETS))
     p.add_argument("--split", default="validation", choices=["train", "validation"])
     p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
@@ -149,7 +148,9 @@ def main() -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
-    args = p.parse_args()
+
+
+def quality(args) -> None:
     weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
                else [Settings().fusion_weight])
     harness = Harness(args.model, args.encoder, args.backend, args.dense_weight)
@@ -166,7 +167,3 @@ def main() -> None:
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
                                "shortlist": SHORTLIST, "weights": weights, "results": results}, indent=1) + "\n")
     print(table(results))
-
-
-if __name__ == "__main__":
-    main()

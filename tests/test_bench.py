@@ -1,16 +1,34 @@
-"""The benchmark's own pieces that run without a GPU: the query set the issue fixes (469 MetaTool dev
-queries: the first 279 with k=1 and all 190 with k=2, in file order), the report, which must
-render the recorded H200 run exactly as it was written (tables and ratios come from the JSON alone), and
-what --merge keeps of an earlier run."""
+"""The benchmark's own pieces that run without a GPU: the command line (`python -m bench` with no command
+is the headline run), the query set the issue fixes (469 MetaTool dev queries: the first 279 with k=1 and
+all 190 with k=2, in file order), the report, which must render the recorded H200 run exactly as it was
+written (tables and ratios come from the JSON alone), and what --merge keeps of an earlier run."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
+
 from bench import report
-from bench.workload import data_dir, metatool_queries
+from bench.__main__ import COMMANDS, handler, parse_args
+from bench.workload import metatool_queries
+from shared.dataset import data_dir
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def test_no_command_is_the_headline_run_and_every_command_has_its_arguments_and_runner():
+    args = parse_args(["--shapes", "smollm2-135m", "--workloads", "metatool", "--no-peer"])
+    assert args.command == "serve" and args.shapes == "smollm2-135m" and args.no_peer
+    assert parse_args([]).command == "serve"
+    args = parse_args(["quality", "--sample", "5", "--weights", "none"])
+    assert args.command == "quality" and args.sample == 5 and args.weights == "none"
+    assert parse_args(["step", "--rows", "1,58"]).rows == "1,58"
+    for command in COMMANDS:
+        add_arguments, run = handler(command)
+        assert callable(add_arguments) and callable(run), command
+    with pytest.raises(SystemExit):
+        parse_args(["step", "--no-such-option"])
 
 
 def test_metatool_queries_are_the_first_279_single_and_all_190_double_in_file_order():
@@ -35,7 +53,7 @@ def test_report_renders_the_recorded_h200_run_as_written():
 
 
 def test_a_merged_run_keeps_the_workloads_it_does_not_measure_with_the_run_they_came_from():
-    from bench.__main__ import kept_workloads
+    from bench.serve import kept_workloads
     earlier = {"started": "then", "args": {"workloads": "metatool,sealtools"},
                "workloads": {"metatool": {"tooltrie": 1}, "sealtools": {"tooltrie": 2}}}
     kept = kept_workloads(earlier, {"metatool": None})
@@ -58,7 +76,7 @@ def test_report_of_a_run_without_the_peer_has_no_peer_rows_and_no_ratios(tmp_pat
 
 
 def test_sass_summary_counts_loops_before_the_last_exit_only():
-    from bench.ptx_report import sass_summary
+    from bench.ptx import sass_summary
     body = [f"        /*{16 * i:04x}*/                   FFMA R1, R2, R3, R1 ;" for i in range(70)]
     listing = "\n".join([*body,
                          "        /*0460*/               @P0 BRA 0x0;",          # a 71-instruction loop

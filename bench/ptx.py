@@ -1,8 +1,8 @@
 """The compiler's view of kernels, without a GPU: registers, spills and shared memory from ptxas for
 sm_90, and whether a kernel's PTX is that of another checkout.
 
-    python3 bench/ptx_report.py k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16] [--sass]
-                                [--max-registers N]
+    python3 -m bench ptx k_gemm k_attn_mma [--against ../other-checkout] [--storage bfloat16] [--sass]
+                           [--max-registers N]
 
 numba compiles each kernel's Python source to PTX (`cuda.compile_ptx`, which needs NVRTC: the
 `nvidia-cuda-nvrtc` wheel or a CUDA toolkit) and `ptxas -arch=sm_90 -v` (from a CUDA toolkit, found
@@ -19,9 +19,9 @@ loads across the wait, and whatever it puts between the two delays the next kern
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -29,18 +29,18 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
 
 
 def compile_ptx(tree: Path, names: list[str], storage: str) -> dict:
-    """{kernel: PTX} compiled from the kernels module of checkout `tree` (in a child process, so that
-    two checkouts' modules never meet)."""
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); from numba import cuda; "
+    """{kernel: PTX} compiled from the kernels module of checkout `tree` (in a child process run in that
+    checkout, so that two checkouts' modules never meet)."""
+    code = ("import json, sys; from numba import cuda; "
             "import decoder_service.model.cuda.kernels as K; "
-            "print(json.dumps({n: cuda.compile_ptx(K.KERNELS[n].py_func, K.signatures(sys.argv[2])[n], "
-            "cc=(9, 0))[0] for n in sys.argv[3:]}))")
-    out = subprocess.run([sys.executable, "-c", code, str(tree), storage, *names], capture_output=True,
-                         text=True, check=True)
+            "print(json.dumps({n: cuda.compile_ptx(K.KERNELS[n].py_func, K.signatures(sys.argv[1])[n], "
+            "cc=(9, 0))[0] for n in sys.argv[2:]}))")
+    out = subprocess.run([sys.executable, "-c", code, storage, *names], capture_output=True, text=True, check=True,
+                         cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)})
     return json.loads(out.stdout.splitlines()[-1])
 
 
@@ -121,14 +121,15 @@ def compare(a: str, b: str) -> str:
     return "same instructions" if regs(ba) == regs(bb) else "different"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def ptx_arguments(ap) -> None:
     ap.add_argument("kernels", nargs="+")
     ap.add_argument("--against", type=Path, help="another checkout to compare the PTX with")
     ap.add_argument("--storage", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     ap.add_argument("--sass", action="store_true", help="count machine instructions (cuobjdump)")
     ap.add_argument("--max-registers", type=int, default=0, help="ptxas's register cap (0: none)")
-    args = ap.parse_args()
+
+
+def ptx(args) -> None:
     cap = args.max_registers
     here = compile_ptx(ROOT, args.kernels, args.storage)
     there = compile_ptx(args.against.resolve(), args.kernels, args.storage) if args.against else {}
@@ -142,6 +143,3 @@ def main() -> None:
                 line += f" (against: {sass(there[name], cap)})"
         print(line, flush=True)
 
-
-if __name__ == "__main__":
-    main()

@@ -1,23 +1,23 @@
-"""GPU check of the CUDA model backend at real shapes, with random weights: correctness against the
-float64 reference, then a timing table per kernel and per decode step.
+"""The CUDA backend at batch 1, timed kernel by kernel at real shapes with random bf16 weights: each
+kernel kind cold (L2 flushed), the one-row GEMV's block size and cache hint, whole decode steps (graph,
+raw launches, batched), a 1,023-token prompt and a decode at context 1,024, and the disk cache.
 
-Run on a GPU machine (one call does everything; a short table is printed last):
-    python3 bench/gpu_model_check.py --out DIR [--models smollm2-135m,qwen3-1.7b] [--quick]
-Writes DIR/gpu_model_h200.md (the tables), DIR/log.txt (everything printed) and DIR/results.json.
+    python3 -m bench model [--out DIR] [--models smollm2-135m,qwen3-1.7b] [--no-sweep] [--no-long]
 
-Method (docs/perf_log.md): kernel times are CUDA-event times of graph replays. Per-kernel rows are
-measured cold: each replay first overwrites a 256 MiB scratch buffer (evicting the 60 MB L2), then
-launches the kernel once per layer (each layer has its own weights); the time of the flush alone is
-subtracted. GB/s counts the weight bytes plus the activation bytes each launch must move, and is
-compared with a device-to-device cuMemcpy measured in the same run (bytes read + bytes written).
+Writes DIR/gpu_model_h200.md (the tables), DIR/log.txt (everything printed) and DIR/results.json; the
+model's correctness against float64 at these shapes is tests/test_gpu_model.py's.
+
+Method: kernel times are CUDA-event times of graph replays. Per-kernel rows are measured cold: each replay
+first reads a 256 MiB scratch matrix (evicting the 60 MB L2, leaving clean lines), then launches the kernel
+once per layer (each layer has its own weights); the time of the flush alone is subtracted. GB/s counts
+the weight bytes plus the activation bytes each launch must move, and is compared with a device-to-device
+cuMemcpy measured in the same run (bytes read + bytes written).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
@@ -25,28 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from decoder_service.model.cuda import compat  # noqa: E402,F401  (numpy 2.5 row_stack, before numba)
-from decoder_service.model.batch import StepBatch  # noqa: E402
-from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-from decoder_service.model.reference import ReferenceModel  # noqa: E402
-from decoder_service.model.weights import Weights, f32_to_bf16  # noqa: E402
-
-MODELS = {
-    "smollm2-135m": {
-        "architectures": ["LlamaForCausalLM"], "vocab_size": 49152, "hidden_size": 576,
-        "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-        "num_key_value_heads": 3, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
-        "max_position_embeddings": 8192, "tie_word_embeddings": True, "hidden_act": "silu"},
-    "qwen3-1.7b": {
-        "architectures": ["Qwen3ForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
-        "intermediate_size": 6144, "num_hidden_layers": 28, "num_attention_heads": 16,
-        "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
-        "max_position_embeddings": 40960, "tie_word_embeddings": True, "hidden_act": "silu"},
-}
+from bench.common import MODELS, ROOT, Timer, copy_bandwidth, random_weights, shape_config
+from decoder_service.model.batch import StepBatch
+from decoder_service.model.kv_pool import KVPoolSpec
 
 LOG: list[str] = []
 
@@ -57,101 +38,19 @@ def log(*a):
     LOG.append(s)
 
 
-# ------------------------------------------------------------------------------------ random model
-def rand_bf16(rng, shape, scale):
-    """Random bf16 bits, fast: sign, mantissa and one exponent bit from one uint16 draw; magnitudes
-    in [scale/2, 2*scale). Never zeros, never denormals."""
-    r = rng.integers(0, 1 << 16, size=int(np.prod(shape)), dtype=np.uint16)
-    e = np.uint16(127 + int(np.floor(np.log2(scale))) - 1)
-    bits = (r & np.uint16(0x807F)) | ((e + ((r >> np.uint16(7)) & np.uint16(1))) << np.uint16(7))
-    return bits.reshape(shape)
-
-
-def random_weights(cfg: ModelConfig, seed: int) -> Weights:
-    rng = np.random.default_rng(seed)
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-    q, kv, d = cfg.q_size, cfg.kv_size, cfg.head_dim
-    norm = lambda *s: f32_to_bf16((1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32))  # noqa: E731
-    embed = rand_bf16(rng, (V, H), 1.0)
-    return Weights(
-        dtype="bfloat16", source_dtype="bfloat16(random)", embed=embed, lm_head=embed,
-        final_norm=norm(H), attn_norm=norm(L, H),
-        wqkv=rand_bf16(rng, (L, q + 2 * kv, H), 1 / np.sqrt(H)), bqkv=None,
-        q_norm=norm(L, d) if cfg.qk_norm else None, k_norm=norm(L, d) if cfg.qk_norm else None,
-        wo=rand_bf16(rng, (L, H, q), 1 / np.sqrt(q)), mlp_norm=norm(L, H),
-        w_gate_up=rand_bf16(rng, (L, 2 * I, H), 1 / np.sqrt(H)),
-        w_down=rand_bf16(rng, (L, H, I), 1 / np.sqrt(I)))
-
-
-# ------------------------------------------------------------------------------------- helpers
-def rel(a, b):
-    return float(np.linalg.norm(a.astype(np.float64) - b) / np.linalg.norm(b))
-
-
-def margin(r):
-    s = np.sort(r)
-    return float(s[-1] - s[-2])
-
-
-class Timer:
-    def __init__(self, be):
-        from decoder_service.model.cuda.launcher import new_event
-        self.be = be
-        self.e0, self.e1 = new_event(True), new_event(True)
-
-    def graph_ms(self, fn, reps=15):
-        """Median ms of one replay of the graph captured from fn (after two warm-up replays)."""
-        from decoder_service.model.cuda.launcher import event_ms
-        g = self.be.capture(fn)
-        for _ in range(2):
-            g.replay()
-        self.be.synchronize()
-        ts = []
-        for _ in range(reps):
-            self.be.stream.record(self.e0)
-            g.replay()
-            self.be.stream.record(self.e1)
-            self.be.synchronize()
-            ts.append(event_ms(self.e0, self.e1))
-        return statistics.median(ts), g.num_nodes
-
-
-def copy_bandwidth(nbytes=2 << 30):
+def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
+    """Every table of one model shape."""
     from cuda.bindings import driver as drv
     from numba import cuda
-    from decoder_service.model.cuda.launcher import check, dptr, event_ms, new_event
-    a = cuda.device_array(nbytes // 4, np.float32)
-    b = cuda.device_array(nbytes // 4, np.float32)
-    s = cuda.stream()
-    h = drv.CUstream(int(s.handle))
-    check(drv.cuMemsetD32Async(dptr(a), 0x3F800000, nbytes // 4, h))
-    e0, e1 = new_event(True), new_event(True)
-    ts = []
-    for _ in range(12):
-        check(drv.cuEventRecord(e0, h))
-        check(drv.cuMemcpyDtoDAsync(dptr(b), dptr(a), nbytes, h))
-        check(drv.cuEventRecord(e1, h))
-        check(drv.cuEventSynchronize(e1))
-        ts.append(event_ms(e0, e1))
-    ms = statistics.median(ts[2:])
-    del a, b
-    return 2 * nbytes / (ms * 1e-3) / 1e9, ms
 
-
-# ------------------------------------------------------------------------------------- per model
-def check_model(name, raw, out_rows, results, quick=False, quick_long=False, sweep=True):
-    from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.cuda.kernels import WARP
+    from decoder_service.model.cuda.backend import WARP, CudaBackend
     from decoder_service.model.cuda.launcher import Launch, check, dptr
-    from cuda.bindings import driver as drv
-    from numba import cuda
 
-    cfg = ModelConfig.from_dict(raw, where=name)
-    t = time.time()
+    cfg = shape_config(name)
     w = random_weights(cfg, seed=11)
     log(f"\n=== {name}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, heads {cfg.num_heads}/"
         f"{cfg.num_kv_heads}x{cfg.head_dim}, inter {cfg.intermediate_size}, vocab {cfg.vocab_size}; "
-        f"weights {w.nbytes() / 2**20:.0f} MiB bf16 (random, {time.time() - t:.1f} s)")
+        f"weights {w.nbytes() / 2**20:.0f} MiB bf16 (random)")
     spec = KVPoolSpec(num_blocks=256, block_size=16)
     t = time.time()
     be = CudaBackend(cfg, w, spec, max_rows=256, max_logit_rows=32, max_candidates=256)
@@ -159,70 +58,21 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
     kinfo = {n: dict(regs=k.attrs.regs, local=k.attrs.local, cache_hit=k.cache_hit)
              for n, k in be.kernels.items()}
     log(f"backend init {init_s:.1f} s (upload + compile/load); kernels: {kinfo}")
-    t = time.time()
-    ref = ReferenceModel(cfg, w, spec)
-    log(f"reference init {time.time() - t:.1f} s")
     res = {"init_s": init_s, "kernels": kinfo}
-
-    # ---- correctness: prefill, decodes, mixed ragged batch, non-contiguous tables
+    # a 12-token prompt and four decoded tokens in non-contiguous, unordered blocks: the context timed
     rng = np.random.default_rng(5)
-    bt = np.full((4, 16), -1, np.int32)
-    perm = rng.permutation(spec.num_blocks).astype(np.int32)
-    bt[:, :] = perm[:64].reshape(4, 16)           # non-contiguous, unordered blocks
+    bt = rng.permutation(spec.num_blocks).astype(np.int32)[:64].reshape(4, 16)
     prompt = rng.integers(3, cfg.vocab_size, 12).tolist()
-    checks = []
-
-    def compare(tag, batch, cand_n=24):
-        be.forward(batch)
-        t0 = time.time()
-        ref.forward(batch)
-        tref = time.time() - t0
-        lg, lr = be.dense_logits(), ref.dense_logits()
-        N = len(batch.logit_rows)
-        cand = np.stack([np.argsort(-lr[i])[:cand_n] for i in range(N)]).astype(np.int32)
-        cand[:, ::2] = rng.integers(0, cfg.vocab_size, (N, (cand_n + 1) // 2))  # mix in random ids
-        n = np.full(N, cand_n, np.int32)
-        sp = be.sparse_logits(cand, n)
-        same_sparse = bool(np.array_equal(sp, np.take_along_axis(lg, cand, 1)))
-        r = rel(lg, lr)
-        am = [int(a) for a in lg.argmax(1)], [int(a) for a in lr.argmax(1)]
-        ok = r < 2e-2 and am[0] == am[1] and same_sparse and np.isfinite(lg).all()
-        checks.append(dict(tag=tag, rel=r, argmax_gpu=am[0], argmax_ref=am[1], sparse_eq_dense=same_sparse,
-                           ref_margin=[margin(x) for x in lr], ok=bool(ok), ref_s=tref))
-        log(f"  {tag:34s} rel {r:.2e}  argmax gpu {am[0]} ref {am[1]} (ref top-2 margin "
-            f"{min(margin(x) for x in lr):.3f})  sparse==dense[cand] {same_sparse}  "
-            f"{'OK' if ok else 'FAIL'}  (ref {tref:.1f} s)")
-        return lg, lr
-
-    _, lr = compare("prefill 12 tokens (slot 0)", StepBatch.from_chunks([(0, prompt, 0)], bt))
+    be.forward(StepBatch.from_chunks([(0, prompt, 0)], bt))
     pos = len(prompt)
-    nxt = int(lr[0].argmax())
-    steps = 2 if quick else 3
-    for s in range(steps):
-        _, lr = compare(f"decode pos {pos}", StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
-        nxt, pos = int(lr[0].argmax()), pos + 1
-    p2 = rng.integers(3, cfg.vocab_size, 7).tolist()
-    mixed = StepBatch.from_chunks([(0, [nxt], pos), (1, p2, 0), (2, p2[:3], 0)], bt, decode_rows=1)
-    lg_mixed, lr = compare("mixed: decode + prefill 7 + prefill 3", mixed)
-    # determinism: the decode row recomputed alone (same position, same KV) is bit-identical
-    be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
-    alone = be.dense_logits()[0]
-    det = bool(np.array_equal(alone, lg_mixed[0]))
-    log(f"  decode row alone vs inside the mixed batch: bit-identical {det}")
-    # graph replay gives the same bits as direct launches
-    be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
-    g = be.capture(lambda: (be.launch_forward(1, 1), be.launch_dense(1)))
-    g.replay()
-    graph_logits = np.empty(cfg.vocab_size, np.float32)
-    be.stream.d2h(graph_logits, be.logits, cfg.vocab_size)
-    be.synchronize()
-    gsame = bool(np.array_equal(graph_logits, alone))
-    log(f"  captured graph replay vs direct launches: bit-identical {gsame} ({g.num_nodes} nodes)")
-    res.update(checks=checks, deterministic=det, graph_identical=gsame)
-    del ref
+    for _ in range(4):
+        nxt = int(be.dense_logits()[0].argmax())
+        be.forward(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))
+        pos += 1
+    pos -= 1
 
     # ---- timing: per kernel, cold L2
-    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     ctx = pos + 1
     be.stage(StepBatch.from_chunks([(0, [nxt], pos)], bt, decode_rows=1))   # batch 1, context ctx
     be.synchronize()
@@ -362,19 +212,19 @@ def check_model(name, raw, out_rows, results, quick=False, quick_long=False, swe
         ms, _ = tm.graph_ms(lambda R=R: (be.launch_forward(R, R), be.launch_dense(R)), reps=10)
         step[f"graph_dense_batch{R}_us"] = ms * 1e3
     res["step"] = step
-    if not quick_long:
-        res["long"] = long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=(name == "smollm2-135m"))
+    if long:
+        res["long"] = long_context(be, cfg, tm, flush, t_flush, rng)
     log(f"  step (batch 1, ctx {ctx}): graph+sparse {step['graph_sparse_us']:.0f} us "
         f"({step['graph_sparse_nodes']} nodes), graph+dense {step['graph_dense_us']:.0f} us, raw "
         f"cuLaunchKernel loop {step['raw_launch_sparse_us']:.0f} us/step "
         f"({step['host_enqueue_us_per_launch']:.1f} us host per launch)")
-    results[name] = res
-    del be
     return res
 
 
-def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_prompt=1023):
-    """A 1023-token prompt prefilled in chunks of 256 rows, then attention and a decode at ctx 1024."""
+
+def long_context(be, cfg, tm, flush, t_flush, rng, n_prompt=1023):
+    """A 1023-token prompt prefilled in chunks of 256 rows, then attention and a decode at ctx 1024 (its
+    logits against float64: tests/test_gpu_model.py)."""
     from decoder_service.model.cuda.launcher import Launch, event_ms, new_event
     out = {}
     V = cfg.vocab_size
@@ -392,18 +242,6 @@ def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_pr
     ms = event_ms(e0, e1)
     out["prefill_ms"], out["prefill_tok_s"] = ms, n_prompt / (ms * 1e-3)
     dec = StepBatch.from_chunks([(0, [int(rng.integers(3, V))], n_prompt)], slot_tab, decode_rows=1)
-    if with_ref:
-        ref = ReferenceModel(cfg, w, spec)
-        t = time.time()
-        for c in chunks:
-            ref.forward(c)
-        ref.forward(dec)
-        be.forward(dec)
-        lg, lr = be.dense_logits(), ref.dense_logits()
-        out["ref_rel"], out["ref_argmax_same"] = rel(lg, lr), bool(lg.argmax() == lr.argmax())
-        log(f"  ctx 1024 decode vs float64 reference: rel {out['ref_rel']:.2e}, same argmax "
-            f"{out['ref_argmax_same']} (ref {time.time() - t:.0f} s)")
-        del ref
     be.stage(dec)
     be.synchronize()
     nh = cfg.num_heads
@@ -432,13 +270,13 @@ def long_context(be, cfg, w, spec, tm, flush, t_flush, rng, with_ref=False, n_pr
 def cache_probe(storage="bfloat16"):
     """A fresh process builds the kernels: with numba's disk cache they load, not compile."""
     code = (
-        "import time,sys; sys.path.insert(0, %r)\n"
-        "from decoder_service.model.cuda import compat\n"
+        "import time\n"
         "from decoder_service.model.cuda.launcher import Kernel\n"
         "from decoder_service.model.cuda.kernels import KERNELS\n"
         "t=time.time(); ks=[Kernel(n, %r) for n in KERNELS]\n"
-        "print('CACHE', time.time()-t, [k.cache_hit for k in ks])\n") % (str(ROOT), storage)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        "print('CACHE', time.time()-t, [k.cache_hit for k in ks])\n") % storage
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("CACHE")]
     if not line:
         return {"error": out.stderr[-2000:]}
@@ -446,19 +284,19 @@ def cache_probe(storage="bfloat16"):
     return {"seconds": float(secs), "hits": hits}
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.environ.get("OUT", "bench/results/out"))
-    ap.add_argument("--models", default="smollm2-135m,qwen3-1.7b")
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--no-sweep", action="store_true")
-    args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+def model_arguments(p) -> None:
+    p.add_argument("--out", default=os.environ.get("OUT", "bench/results/out"))
+    p.add_argument("--models", default="smollm2-135m,qwen3-1.7b")
+    p.add_argument("--no-sweep", action="store_true", help="without the GEMV block size and cache hint sweep")
+    p.add_argument("--no-long", action="store_true", help="without the long-context rows")
 
+
+def model(args) -> None:
     import numba
     import numba_cuda
     from numba import cuda
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     dev = cuda.get_current_device()
     env = dict(gpu=dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name),
                sms=dev.MULTIPROCESSOR_COUNT, cc=dev.compute_capability, python=platform.python_version(),
@@ -471,7 +309,7 @@ def main():
         log(f"device-to-device cuMemcpy: {bw:.0f} GB/s (2 GiB, {ms:.2f} ms, read+write)")
         for name in args.models.split(","):
             try:
-                check_model(name, MODELS[name], None, results, args.quick, sweep=not args.no_sweep)
+                results[name] = time_model(name, sweep=not args.no_sweep, long=not args.no_long)
             except Exception as e:  # keep going: the other model's numbers still come back
                 import traceback
                 log(f"{name}: FAILED {e!r}\n{traceback.format_exc()}")
@@ -498,14 +336,7 @@ def render(r) -> str:
         if "error" in m:
             lines += [f"## {name}: FAILED {m['error']}", ""]
             continue
-        lines += [f"## {name} (random bf16 weights, real shapes)", "", "Correctness vs float64 reference:", "",
-                  "| check | rel err (logits) | argmax gpu / ref | sparse == dense[cand] | ok |",
-                  "| --- | --- | --- | --- | --- |"]
-        for c in m["checks"]:
-            lines.append(f"| {c['tag']} | {c['rel']:.2e} | {c['argmax_gpu']} / {c['argmax_ref']} | "
-                         f"{c['sparse_eq_dense']} | {'OK' if c['ok'] else 'FAIL'} |")
-        lines += ["", f"Decode row alone vs in a mixed batch bit-identical: {m['deterministic']}; "
-                  f"graph replay vs direct launches bit-identical: {m['graph_identical']}.", "",
+        lines += [f"## {name} (random bf16 weights, real shapes)", "",
                   "Per kernel at batch 1, cold L2 (graph replay, CUDA events):", "",
                   "| kernel | µs / launch | bytes / launch | GB/s | % of copy |", "| --- | --- | --- | --- | --- |"]
         for k in m["kernels_cold"]:
@@ -524,7 +355,8 @@ def render(r) -> str:
         lines += ["", "Whole decode step:", "",
                   f"- batch 1, graph (forward + sparse head, 32 candidates): **{s['graph_sparse_us']:.0f} µs**, "
                   f"{s['graph_sparse_nodes']} kernels",
-                  f"- batch 1, graph (forward + dense head): {s['graph_dense_us']:.0f} µs, {s['graph_dense_nodes']} kernels",
+                  f"- batch 1, graph (forward + dense head): {s['graph_dense_us']:.0f} µs, "
+                  f"{s['graph_dense_nodes']} kernels",
                   f"- batch 1, raw cuLaunchKernel loop (no graph): {s['raw_launch_sparse_us']:.0f} µs/step, "
                   f"{s['host_enqueue_us_per_launch']:.1f} µs host time per launch, {s['launches_per_step']} launches",
                   f"- batched decode, graph (forward + dense head): batch 4 {s['graph_dense_batch4_us']:.0f} µs, "
@@ -538,15 +370,9 @@ def render(r) -> str:
                       f"- attention per layer at ctx 1024: split {lc['attn_ctx1024_us (split)']:.1f} µs, "
                       f"one block per head {lc['attn_ctx1024_us (one block per head (no split))']:.1f} µs",
                       f"- decode step at ctx 1024 (graph, sparse head): {lc['step_ctx1024_graph_sparse_us']:.0f} µs"]
-            if "ref_rel" in lc:
-                lines.append(f"- decode at ctx 1024 vs float64 reference: rel err {lc['ref_rel']:.2e}, "
-                             f"same argmax {lc['ref_argmax_same']}")
             lines.append("")
     cp = r.get("cache_probe")
     if cp:
         lines += [f"Fresh process loading the 6 kernels from numba's disk cache: {cp}", ""]
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    main()

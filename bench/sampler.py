@@ -1,11 +1,13 @@
-"""Constrained (sparse head + trie sampler) against unconstrained (dense head) decode steps.
-
-    python3 bench/constrained_step.py --backend cuda     (H200: random bf16 weights at the real shapes)
-    .venv/bin/python -m bench.constrained_step --backend cpu   (SmolLM2 shape only: Qwen3 is too slow here)
-
-Each of B rows decodes one token at position CTX - 1 of its own sequence (paged KV, one block table
-per row), over the MetaTool trie compiled with SmolLM2's tokenizer, every row at the trie's root (its
+"""The device sampler's cost: a constrained decode step against an unconstrained one, and the sampler's
+kernels alone with the trie in constant or global memory. MetaTool's trie, every row at its root (its
 widest node: the worst case for the mask and the sparse head).
+
+    python3 -m bench constrained-step [--backend cuda]  (H200: random bf16 weights at the real shapes)
+    python -m bench constrained-step --backend cpu --shapes smollm2-135m   (Qwen3 is too slow here)
+    python3 -m bench sampler [--tokenizer DIR]
+
+constrained-step: each of B rows decodes one token at position CTX - 1 of its own sequence (paged KV,
+one block table per row).
 - unconstrained: forward + dense head (logits for the whole vocabulary; the argmax is not included,
   which favours this side);
 - constrained: forward + k_mask (legal edges -> candidates) + sparse head + k_select (argmax,
@@ -13,36 +15,40 @@ widest node: the worst case for the mask and the sparse head).
 On cuda each side is one captured CUDA graph and the figure is the median of replays timed with CUDA
 events; on cpu it is the median wall time of the host path (forward + dense_logits vs forward + host
 sampler + sparse_logits).
+
+sampler (GPU): k_mask and k_select alone, CUDA events around 200 raw launches of each (the engine's
+launch path, launcher.Launch), by batch size; k_mask at the root every time, k_select after it (its cost
+does not depend on the node).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
-
-from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
-from bench.workload import data_dir  # noqa: E402
-from compiler_service.compiler import compile_catalog  # noqa: E402
-from decoder_service.model.batch import StepBatch  # noqa: E402
-from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-from shared.catalog import parse_registry  # noqa: E402
-from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
-from shared.tokenizer import ModelTokenizer  # noqa: E402
+from bench.common import BLOCK, Timer, ints, random_weights, shape_config
+from compiler_service.compiler import compile_catalog
+from decoder_service.model.batch import StepBatch
+from decoder_service.model.kv_pool import KVPoolSpec
+from shared.catalog import parse_registry
+from shared.config import DEFAULT_MODEL_DIR
+from shared.dataset import data_dir
+from shared.tokenizer import ModelTokenizer
 
 CTX = 1024
-BLOCK = 16
 
 
-def decode_batch(rows: int) -> StepBatch:
+def metatool_trie(tokenizer: str):
+    """MetaTool's catalog compiled with the tokenizer of the model directory `tokenizer`."""
+    tok = ModelTokenizer(tokenizer)
+    return compile_catalog(parse_registry((data_dir() / "metatool" / "catalog.json").read_text()), tok)
+
+
+def context_batch(rows: int) -> StepBatch:
+    """`rows` rows decoding at position CTX - 1, each in its own blocks."""
     per_seq = CTX // BLOCK
     tables = np.arange(rows * per_seq, dtype=np.int32).reshape(rows, per_seq)
     return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.arange(rows, dtype=np.int32),
@@ -76,7 +82,7 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
 def cuda_sides(be, trie, rows):
     """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
     from decoder_service.engine import cuda_sampler as cs
-    batch = decode_batch(rows)
+    batch = context_batch(rows)
     be.stage(batch)
     packed = cs.pack_trie(trie)
     cs.ConstantTrie(cs.SamplerKernels.get()).bind(("metatool", 1), packed, be.stream)
@@ -106,7 +112,7 @@ def cuda_sides(be, trie, rows):
 
 def cpu_sides(be, trie, rows, reps=5):
     from decoder_service.engine.sampler import legal_edges, select
-    batch = decode_batch(rows)
+    batch = context_batch(rows)
     emitted = np.full(3, -1, np.int32)
     buf = np.empty(trie.max_fanout(), np.int32)
 
@@ -135,24 +141,23 @@ def cpu_sides(be, trie, rows, reps=5):
     return out[0], out[1], None, None
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def constrained_step_arguments(p) -> None:
     p.add_argument("--backend", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--rows", default="1,16,64,256")
     p.add_argument("--shapes", default="smollm2-135m,qwen3-1.7b")
     p.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR))
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
-    tok = ModelTokenizer(args.tokenizer)
-    data = data_dir()
-    trie = compile_catalog(parse_registry((data / "metatool" / "catalog.json").read_text()), tok)
-    rows_list = [int(r) for r in args.rows.split(",")]
+    p.add_argument("--out", default=None, help="also write the results as JSON here")
+
+
+def constrained_step(args) -> None:
+    trie = metatool_trie(args.tokenizer)
+    rows_list = ints(args.rows)
     results = []
     print(f"MetaTool trie: root fan-out {trie.max_fanout()}; context {CTX}; backend {args.backend}")
     print("| shape | rows | unconstrained ms | constrained ms | constrained - unconstrained µs | graph nodes |")
     print("| --- | --- | --- | --- | --- | --- |")
     for shape in args.shapes.split(","):
-        cfg = ModelConfig.from_dict(MODELS[shape], shape)
+        cfg = shape_config(shape)
         spec = KVPoolSpec(max(rows_list) * CTX // BLOCK, BLOCK)
         weights = random_weights(cfg, seed=1)
         if args.backend == "cuda":
@@ -169,10 +174,52 @@ def main() -> None:
             results.append({"shape": shape, "rows": rows, "unconstrained_ms": round(u, 4),
                             "constrained_ms": round(c, 4), "graph_nodes": [un, cn]})
             print(f"| {shape} | {rows} | {u:.3f} | {c:.3f} | {(c - u) * 1e3:+.0f} | {un} / {cn} |", flush=True)
-        del be
+        del be   # before the next shape's weights
     if args.out:
         Path(args.out).write_text(json.dumps({"backend": args.backend, "ctx": CTX, "results": results}, indent=2))
 
 
-if __name__ == "__main__":
-    main()
+def time_kernels(trie, packed, use_const, n_rows, stream, reps=200):
+    """(k_mask µs, k_select µs) per launch for n_rows rows at the root."""
+    from numba import cuda
+
+    from decoder_service.model.cuda.launcher import event_ms, new_event
+    cmax = trie.max_fanout()
+    logits = cuda.to_device(np.random.default_rng(0).standard_normal(n_rows * cmax).astype(np.float32))
+    mask, select, _, cand = root_launches(packed, n_rows, use_const, cmax, stream.handle, logits)
+    ncand, status = cand["count"], cand["status"]
+    mask.launch(n_rows)
+    stream.synchronize()
+    assert (status.copy_to_host() == 0).all() and (ncand.copy_to_host() == cmax).all(), "root mask incomplete"
+    times = []
+    start, end = new_event(True), new_event(True)
+    for launch in (mask, select):
+        launch.launch(n_rows)
+        stream.record(start)
+        for _ in range(reps):
+            launch.launch(n_rows)
+        stream.record(end)
+        stream.synchronize()
+        times.append(event_ms(start, end) * 1e3 / reps)
+    return times
+
+
+def sampler_arguments(p) -> None:
+    p.add_argument("--tokenizer", default=str(DEFAULT_MODEL_DIR),
+                   help="the model directory whose tokenizer compiles MetaTool's trie")
+    p.add_argument("--rows", default="1,16,64,256")
+
+
+def sampler(args) -> None:
+    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda.launcher import Stream
+    trie = metatool_trie(args.tokenizer)
+    packed = cs.pack_trie(trie)
+    stream = Stream()
+    cs.ConstantTrie(cs.SamplerKernels.get()).bind(("metatool", 1), packed, stream)
+    print(f"MetaTool trie: {trie.num_nodes} nodes, {trie.num_edges} edges, root fan-out {trie.max_fanout()}, "
+          f"{len(packed) * 4} bytes packed")
+    print("| rows | k_mask const µs | k_mask global µs | k_select µs |\n| --- | --- | --- | --- |")
+    for n in ints(args.rows):
+        (mc, sel), (mg, _) = time_kernels(trie, packed, 1, n, stream), time_kernels(trie, packed, 0, n, stream)
+        print(f"| {n} | {mc:.1f} | {mg:.1f} | {sel:.1f} |", flush=True)

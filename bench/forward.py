@@ -1,74 +1,44 @@
-"""Where a multi-row forward step spends its time, kernel kind by kernel kind (CUDA only).
+"""The forward pass on the GPU, kernel by kernel (random bf16 weights at a model's real shapes).
 
-    python3 bench/step_profile.py [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
-    python3 bench/step_profile.py --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
-    python3 bench/step_profile.py --rows 256 --prefix 4955 --row-splits 64
-    python3 bench/step_profile.py --rows 1,58 --prefix 4985 --option gemm_warps=4,8 --option gemv_threads=64
-    python3 bench/step_profile.py --rows 58 --prefix 7999 --attention-splits 256,512 \
+    python3 -m bench step [--shape smollm2-135m] [--rows 1,16,48,256] [--prefix 0,4955]
+    python3 -m bench step --rows 256 --prefix 4955 --attention-regs 0,128 --attention-splits 128,512
+    python3 -m bench step --rows 256 --prefix 4955 --row-splits 64
+    python3 -m bench step --rows 1,58 --prefix 4985 --option gemm_warps=4,8 --option gemv_threads=64
+    python3 -m bench step --rows 58 --prefix 7999 --attention-splits 256,512 \
         --cases prefill:58@4985,prefill:16@2047
+    ncu --profile-from-start off --clock-control none --cache-control none \
+        --metrics gpu__time_duration.sum --csv python3 -m bench kernel-profile decode:1@4955 prefill:71@4955
+    python3 -m bench gemm [--rows 16,71,256,512]
 
-One sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
+step: one sequence prefills R rows at positions P..P+R-1 after a P-token prefix already in the pool (the
 shape of a tooltrie request: the catalog prefix is cached, the query suffix is prefilled), and R
 sequences each decode one row at position P (the all-at-once shape). For each kind of launch, a graph
 of that launch for every layer is replayed (warm L2, as in a real step) and its median CUDA-event time
-is divided by the layers; the last column is the whole forward pass. Random bf16 weights. With
---option NAME=V1,V2, every case again on a backend of its own per value of that constructor option
-(perf log g1: k_gemm's warps, the one-row GEMVs' block size).
-With --attention-regs / --attention-splits / --row-splits, only attention, compiled under each register
-cap or with each split size (k_attn_rows: each most splits a row), on random K/V, against a float64
-attention (perf log b6, a1, d2).
+is divided by the layers; the last column is the whole forward pass. With --option NAME=V1,V2, every
+case again on a backend of its own per value of that constructor option (perf log g1: k_gemm's warps,
+the one-row GEMVs' block size). With --attention-regs / --attention-splits / --row-splits, only
+attention, compiled under each register cap or with each split size (k_attn_rows: each most splits a
+row), on random K/V, against a float64 attention (perf log b6, a1, d2).
+
+kernel-profile: each case runs once unprofiled (compiles, warms L2) and once between cudaProfilerStart
+and Stop, launch by launch (no graph), so that ncu's per-kernel durations add up to the step's device
+time without the launch gaps a graph replay would still have.
+
+gemm: µs per layer of each matrix for M prompt rows at the SmolLM2 shape, the backend's GEMV row tiles
+against k_gemm (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness is
+tests/test_gemm.py's.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
-from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench.common import (MODELS, Timer, case_batch, ints, parse_case, rand_bf16, random_weights, shape_config,
+                          sized_backend)
+from decoder_service.model.batch import StepBatch
 
-from bench.gpu_model_check import MODELS, Timer, random_weights  # noqa: E402
-from decoder_service.model.batch import StepBatch  # noqa: E402
-from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.cuda.kernels import MAX_SPLITS, ROW_SPLITS  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-
-BLOCK = 16
 KINDS = ("qkv", "rope", "attn", "o", "gate_up", "down")
-
-
-def prefill_batch(rows: int, prefix: int, per_seq: int) -> StepBatch:
-    table = np.arange(per_seq, dtype=np.int32)[None]
-    return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.zeros(rows, np.int32),
-                     positions=np.arange(prefix, prefix + rows, dtype=np.int32), block_tables=table,
-                     logit_rows=np.array([rows - 1], np.int32))
-
-
-def decode_batch(rows: int, prefix: int, per_seq: int) -> StepBatch:
-    """R sequences sharing the prefix's full blocks (as requests of one catalog do), one row each."""
-    shared = prefix // BLOCK
-    own = prefix // BLOCK + 1 - shared
-    tables = np.full((rows, per_seq), -1, np.int32)
-    tables[:, :shared] = np.arange(shared)
-    tables[:, shared:shared + own] = shared + np.arange(rows * own).reshape(rows, own)
-    return StepBatch(tokens=np.full(rows, 198, np.int32), slots=np.arange(rows, dtype=np.int32),
-                     positions=np.full(rows, prefix, np.int32), block_tables=tables,
-                     logit_rows=np.arange(rows, dtype=np.int32), decode_rows=rows)
-
-
-def sized_backend(cfg: ModelConfig, max_rows: int, max_position: int, spare: int = 1, **options):
-    """A CudaBackend (random bf16 weights, seed 1; `options` to its constructor) for max_rows rows of
-    prefill_batch or decode_batch up to max_position, and the blocks a sequence's table spans (per_seq).
-    The pool holds one sequence's blocks plus `spare` blocks a row (its size sets where random K/V land:
-    logits_hash keeps 2, so its hashes stay comparable across checkouts)."""
-    from decoder_service.model.cuda.backend import CudaBackend
-    per_seq = -(-(max_position + 1) // BLOCK)
-    be = CudaBackend(cfg, random_weights(cfg, seed=1), KVPoolSpec(per_seq + spare * max_rows, BLOCK),
-                     max_rows=max_rows, max_logit_rows=max_rows, max_table=per_seq * max_rows, **options)
-    return be, per_seq
 
 
 def relaunched(be, key: str, kernel=None, arg: int | None = None, value=None) -> list:
@@ -142,20 +112,10 @@ CASES = [("decode", 1, 4955), ("prefill", 48, 4955), ("prefill", 16, 4955), ("pr
          ("decode", 1, 1023)]
 
 
-def parse_case(text: str) -> tuple[str, int, int]:
-    """A case as KIND:ROWS@PREFIX (decode:1@4955, prefill:58@4985): CASES' (kind, rows, prefix)."""
-    kind, _, shape = text.partition(":")
-    rows, _, prefix = shape.partition("@")
-    if kind not in ("decode", "prefill") or not rows.isdigit() or not prefix.isdigit():
-        raise SystemExit(f"bad case {text!r}: expected decode:R@P or prefill:R@P")
-    return kind, int(rows), int(prefix)
-
-
 def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CASES) -> None:
     """Attention variants [(name, launches, grid(batch))] on the same random K/V: µs per layer, the
     relative error of the last layer's output against float64, and whether it is bit-identical to the
     first variant of the same kernel (a register cap must not change a bit; a split size may)."""
-    from bench.gpu_model_check import rand_bf16
     rng = np.random.default_rng(5)
     for pool in (be.kv_k, be.kv_v):   # random K/V, so that every score and weight differs
         pool.copy_to_device(rand_bf16(rng, (pool.size,), 1.0))
@@ -164,7 +124,7 @@ def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CA
     errs = {name: 0.0 for name, _, _ in variants}
     same = {name: True for name, _, _ in variants}
     for case, R, prefix in cases:
-        batch = (prefill_batch if case == "prefill" else decode_batch)(R, prefix, per_seq)
+        batch = case_batch(case, R, prefix, per_seq)
         be.forward(batch)   # q for the rows, and their own K/V written
         be.synchronize()
         ref = reference_attention(be, batch, len(be.layers) - 1)
@@ -180,23 +140,26 @@ def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CA
             base = first.setdefault(launches[0].kernel.name, out)
             same[name] &= bool(np.array_equal(out.view(np.uint32), base.view(np.uint32)))
     print("\nattention variants: µs per layer; error = max relative error against float64")
-    print("| variant | " + " | ".join(f"{c} {r}@{p}" for c, r, p in cases) + " | error | bit-identical to the kernel's first |")
+    print("| variant | " + " | ".join(f"{c} {r}@{p}" for c, r, p in cases)
+          + " | error | bit-identical to the kernel's first |")
     print("| --- | " + " | ".join("---" for _ in cases) + " | --- | --- |")
     for name, _, _ in variants:
         print(f"| {name} | " + " | ".join(f"{t:.1f}" for t in table[name])
               + f" | {errs[name]:.1e} | {same[name]} |", flush=True)
 
 
-def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_splits: int = ROW_SPLITS) -> tuple:
+def staged(be, batch: StepBatch, kernel: str, split: int | None = None, row_splits: int | None = None) -> tuple:
     """Stage the batch so that every row goes to one attention kernel ("rows" or "tiles"), the tiles
-    at `split` positions at every context (None: the backend's prompt_split rule); its grid."""
+    at `split` positions at every context (None: the backend's prompt_split rule), k_attn_rows at most
+    `row_splits` splits a row (None: ROW_SPLITS); its grid."""
+    from decoder_service.model.cuda.backend import MAX_SPLITS, ROW_SPLITS
     saved = be.attn_tile_from, be.attn_split, be.most_splits
     be.attn_tile_from = 0
     if split is not None:
         be.attn_split, be.most_splits = split, MAX_SPLITS
     try:
         be.stage(dataclasses.replace(batch, decode_rows=batch.num_rows if kernel == "rows" else 0))
-        rows, tiles = be.attn_grids(int(batch.positions.max()) + 1, row_splits)
+        rows, tiles = be.attn_grids(int(batch.positions.max()) + 1, row_splits or ROW_SPLITS)
     finally:
         be.attn_tile_from, be.attn_split, be.most_splits = saved
     return rows if kernel == "rows" else tiles
@@ -212,7 +175,7 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
     def rows_grid(maxs):
         return lambda batch: staged(be, batch, "rows", row_splits=maxs)
     rows = [layer["attn_rows"] for layer in be.layers]
-    out = [("k_attn_rows (a block per row, head, split)", rows, rows_grid(ROW_SPLITS))]
+    out = [("k_attn_rows (a block per row, head, split)", rows, rows_grid(None))]
     maxs = len(rows[0].args) - 1    # k_attn_rows' last argument: at most this many splits a row
     out += [(f"k_attn_rows, at most {m} splits", relaunched(be, "attn_rows", arg=maxs, value=m), rows_grid(m))
             for m in row_splits]
@@ -228,9 +191,8 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--shape", default="smollm2-135m")
+def step_arguments(p) -> None:
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(MODELS))
     p.add_argument("--rows", default="1,16,48,256")
     p.add_argument("--prefix", default="0,4955")
     p.add_argument("--attention-regs", default="",
@@ -242,14 +204,14 @@ def main() -> None:
                         "(e.g. gemm_warps=4,8 or gemv_threads=64); repeatable")
     p.add_argument("--cases", default="", help="attention variants' cases, e.g. prefill:58@4985,decode:1@1023 "
                    "(default: CASES; each fits --rows and --prefix)")
-    args = p.parse_args()
-    cfg = ModelConfig.from_dict(MODELS[args.shape], args.shape)
-    rows_list = [int(r) for r in args.rows.split(",")]
-    prefixes = [int(x) for x in args.prefix.split(",")]
+
+
+def step(args) -> None:
+    cfg = shape_config(args.shape)
+    rows_list, prefixes = ints(args.rows), ints(args.prefix)
     be, per_seq = sized_backend(cfg, max(rows_list), max(prefixes) + max(rows_list))
     timer = Timer(be)
     if args.attention_regs or args.attention_splits or args.row_splits:
-        ints = lambda a: [int(x) for x in a.split(",") if x]  # noqa: E731
         attention_variants(be, timer, per_seq,
                            kernel_variants(be, ints(args.attention_regs or "0"), ints(args.attention_splits),
                                            ints(args.row_splits)),
@@ -266,11 +228,58 @@ def main() -> None:
             timer = Timer(be)
         for prefix in prefixes:
             for R in rows_list:
-                for case, make in (("prefill", prefill_batch), ("decode", decode_batch)):
-                    t = profile(be, timer, make(R, prefix, per_seq))
+                for case in ("prefill", "decode"):
+                    t = profile(be, timer, case_batch(case, R, prefix, per_seq))
                     print(f"| {case}{suffix} | {prefix} | {R} | " + " | ".join(f"{t[k]:.1f}" for k in KINDS)
                           + f" | {t['forward']:.0f} |", flush=True)
 
 
-if __name__ == "__main__":
-    main()
+
+def kernel_profile_arguments(p) -> None:
+    p.add_argument("cases", nargs="+", help="decode:R@P or prefill:R@P")
+    p.add_argument("--shape", default="smollm2-135m", choices=sorted(MODELS))
+
+
+def kernel_profile(args) -> None:
+    from numba import cuda
+    cases = [parse_case(c) for c in args.cases]
+    be, per_seq = sized_backend(shape_config(args.shape), max(r for _, r, _ in cases),
+                                max(p + r for _, r, p in cases), graph_rows=0)
+    for kind, rows, prefix in cases:
+        batch = case_batch(kind, rows, prefix, per_seq)
+        be.forward(batch)
+        be.synchronize()
+        cuda.profile_start()
+        be.forward(batch)
+        be.synchronize()
+        cuda.profile_stop()
+        print(f"profiled {kind} {rows} rows at position {prefix}", flush=True)
+
+
+def gemm_arguments(p) -> None:
+    p.add_argument("--rows", default="16,71,256,512")
+
+
+def gemm(args) -> None:
+    from decoder_service.model.cuda.backend import GEMM_ROWS, TILE_ROWS, CudaBackend
+    from decoder_service.model.kv_pool import KVPoolSpec
+    rows = ints(args.rows)
+    cfg = shape_config("smollm2-135m")
+    be = CudaBackend(cfg, random_weights(cfg, seed=1), KVPoolSpec(64, 16), max_rows=max(rows))
+    rng = np.random.default_rng(2)
+    for buf in (be.x, be.att, be.act):
+        buf.copy_to_device(rng.standard_normal(buf.size).astype(np.float32))
+    timer = Timer(be)
+    print("| rows | matrix | GEMV tiles (µs/layer) | k_gemm (µs/layer) | ratio |\n| --- | --- | --- | --- | --- |")
+    n = len(be.layers)
+    for R in rows:
+        be.n_rows.value = R
+        be.gemm_rows[0].value, be.gemm_rows[1].value = 0, R
+        for key in ("qkv", "o", "gate_up", "down"):
+            tiles = -(-R // TILE_ROWS)
+            t_ms, _ = timer.graph_ms(lambda key=key: [be.launch_tiles(ly[key + "/tile"], tiles) for ly in be.layers])
+            g_ms, _ = timer.graph_ms(lambda key=key: [ly[key + "/gemm"][0].launch(ly[key + "/gemm"][1],
+                                                                                  -(-R // GEMM_ROWS))
+                                                      for ly in be.layers])
+            t, g = t_ms * 1e3 / n, g_ms * 1e3 / n
+            print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {t / g:.2f}× |", flush=True)

@@ -1,35 +1,41 @@
-"""Where a concurrency-1 query's steps spend their wall clock: the host's parts and the device wait.
+"""The engine's host side: where a concurrency-1 query's steps spend their wall clock, and the host's
+time between two steps without a model.
 
-    python3 bench/engine_phases.py [--workload metatool] [--queries 40] [--shape smollm2-135m]
+    python3 -m bench engine-phases [--workload metatool] [--queries 40] [--shape smollm2-135m]
+    python -m bench host-step [--rows 1,64,256]
 
-A step plans, stages and enqueues the forward pass and the sampler (or takes the step launched ahead),
-enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits for this
-step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one at a
-time on the calling thread (the CUDA backend on a GPU, the CPU backend elsewhere; SmolLM2's real
+engine-phases: a step plans, stages and enqueues the forward pass and the sampler (or takes the step
+launched ahead), enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits
+for this step's picks (`wait`, the host blocked on the device) and advances on the host. Queries run one
+at a time on the calling thread (the CUDA backend on a GPU, the CPU backend elsewhere; SmolLM2's real
 weights where present, random bf16 at the shape otherwise), the engine methods in PHASES timed by
 wrappers; a step's host time is its wall clock less that wait. Prefill and decode steps are reported
 apart (µs, the mean over the steps: an answer's last step also completes it).
+
+host-step: before a step's first launch the host plans it, builds its block tables, checks the batch and
+plans the CUDA backend's attention (which rows go to which kernel). Where the engine steps ahead (perf
+log h3: the same rows one token further) that overlaps the step before on the device; elsewhere (a
+request's first step, a step after the batch changed) every microsecond here is one of wall clock. R
+MetaTool requests are prefilled through a backend that computes nothing (its sparse head returns zeros:
+every row takes its first legal token), then, with all R decoding, the median host time of the step's
+parts is printed.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import numpy as np
 
-from bench.__main__ import BLOCK, MAX_SEQS, has_gpu, make_backend, model_for  # noqa: E402
-from bench.workload import load_workload  # noqa: E402
-from decoder_service.engine.engine import DecodeEngine, EngineConfig  # noqa: E402
-from decoder_service.engine.sequence import State  # noqa: E402
-from decoder_service.model.batch import StepBatch  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-from shared.config import DEFAULT_MODEL_DIR  # noqa: E402
-from shared.tokenizer import ModelTokenizer  # noqa: E402
+from bench.common import BLOCK, MAX_SEQS, has_gpu, ints, make_backend, model_for
+from bench.workload import load_workload
+from decoder_service.engine.engine import DecodeEngine, EngineConfig
+from decoder_service.engine.sequence import State
+from decoder_service.model.batch import StepBatch
+from decoder_service.model.kv_pool import KVPoolSpec
+from shared.config import DEFAULT_MODEL_DIR
+from shared.tokenizer import ModelTokenizer
 
 # Nested: forward holds validate, stage and replay; ahead holds a forward and a sampler; advance holds
 # complete (and that, release).
@@ -60,12 +66,13 @@ class Clock:
         setattr(obj, attr, timed)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", default="metatool")
+def engine_phases_arguments(p) -> None:
+    p.add_argument("--workload", default="metatool", choices=["metatool", "sealtools"])
     p.add_argument("--queries", type=int, default=40)
     p.add_argument("--shape", default="smollm2-135m", help="a bench shape (random weights but SmolLM2's)")
-    args = p.parse_args()
+
+
+def engine_phases(args) -> None:
     gpu = has_gpu()
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
     trie, queries = load_workload(args.workload, tok, args.queries)
@@ -125,5 +132,61 @@ def main() -> None:
                   + " | ".join(f"{statistics.fmean(r[c]) * 1e6:.0f}" for c in cols) + " |")
 
 
-if __name__ == "__main__":
-    main()
+NUM_BLOCKS = 40_000   # host-step's pool: every request's blocks, never a wait
+
+
+class NullBackend:
+    """The backend interface with no model: batches are validated like the real ones, logits are 0."""
+    name = "null"
+    max_rows, max_logit_rows = 1 << 20, 256
+
+    def forward(self, batch) -> None:
+        batch.validate(BLOCK, NUM_BLOCKS, 49152)
+
+    def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
+        """No pool: nothing to copy."""
+
+    def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
+        return np.zeros(cand.shape, np.float32)
+
+
+def median_us(fn, reps: int = 30) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e6
+
+
+def host_step_arguments(p) -> None:
+    p.add_argument("--rows", default="1,64,256")
+
+
+def host_step(args) -> None:
+    from decoder_service.model.cuda.backend import MMA_SPLIT, MQ, TP, attention_plan
+    # CudaBackend's prompt-tile plan for SmolLM2 (9 query heads on 3 KV heads: MQ // 3 rows a tile) on the
+    # H200, where CudaBackend._most_splits gives 10 (perf log s1)
+    smollm2_tiles = (MQ // 3, MMA_SPLIT, 10, TP)
+    tok = ModelTokenizer(DEFAULT_MODEL_DIR)
+    trie, queries = load_workload("metatool", tok)
+    print("| decoding rows | plan µs | block tables µs | batch check µs | attention plan µs |")
+    print("| --- | --- | --- | --- | --- |")
+    for rows in ints(args.rows):
+        engine = DecodeEngine(NullBackend(), tok, NUM_BLOCKS, BLOCK, 8192,
+                              EngineConfig(max_seqs=rows, max_step_tokens=1 << 20, chunk_size=1 << 20,
+                                           finish_forced=False))   # one prefill step, then R rows decoding
+        rt = engine.load_catalog(trie)
+        engine.run_until_idle()
+        for q in queries[:rows]:
+            engine.submit(rt, q.intent, q.k)
+        engine.step()
+        assert len(engine.scheduler.running) == rows
+        assert all(s.state == State.DECODE for s in engine.scheduler.running)
+        plan = engine.scheduler.plan()
+        batch = engine._batch(plan)
+        ctx = int(batch.positions.max()) + 1
+        print(f"| {rows} | {median_us(engine.scheduler.plan):.0f} | {median_us(lambda: engine._batch(plan)):.0f} | "
+              f"{median_us(lambda: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} | "
+              f"{median_us(lambda: attention_plan(batch, ctx, 2048, *smollm2_tiles)):.1f} |", flush=True)
