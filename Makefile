@@ -71,7 +71,7 @@ fuzz: setup model
 # Answer quality on the validation split: the retrievers and tooltrie's answers, per data set and k
 # (bench/quality.py; the CPU measures a sample of 100 queries a set, a GPU all of them).
 quality: setup model
-	$(PY) -m bench.quality
+	$(PY) -m bench quality
 
 # Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from BM25 fused with
 # all-MiniLM-L6-v2 (tune/shortlist.py). Writes var/tune/ (adapters, merged model, card.json).
@@ -81,7 +81,7 @@ tune: setup model
 	    --lr 5e-4 --encoder models/all-MiniLM-L6-v2 --seed 0 $(TUNE_ARGS)
 	rm -rf $(ADAPTERS) && mkdir -p $(ADAPTERS) && cp var/tune/adapters/* var/tune/card.json $(ADAPTERS)/
 
-# The benchmark against the PyTorch peer (bench/__main__.py); its extra packages are installed here only.
+# The benchmark against the PyTorch peer (bench/serve.py, `python -m bench`'s default); its extras are installed here only.
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
