@@ -81,7 +81,7 @@ tune: setup model
 	    --lr 5e-4 --encoder models/all-MiniLM-L6-v2 --seed 0 $(TUNE_ARGS)
 	rm -rf $(ADAPTERS) && mkdir -p $(ADAPTERS) && cp var/tune/adapters/* var/tune/card.json $(ADAPTERS)/
 
-# The benchmark against the PyTorch peer (bench/serve.py, `python -m bench`'s default); its extras are installed here only.
+# The benchmark against the PyTorch peer (bench/serve.py, `python -m bench`); its extras are installed here only.
 BENCH_STAMP := $(VENV)/.bench-stamp
 $(BENCH_STAMP): pyproject.toml $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,bench]'
