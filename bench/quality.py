@@ -26,8 +26,7 @@ from decoder_service.model.backend import make_backend, resolve_backend, weights
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors,
-                                        intent_parts, top_n)
+from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors, top_n
 from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
@@ -72,7 +71,7 @@ class Harness:
                             self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
 
     def run(self, name: str, split: str, n: int, weights: list[float]) -> dict:
-        trie = compile_catalog(parse_registry(dataset.registry(name)), self.tok)
+        trie = compile_catalog(parse_registry(dataset.catalog_path(name).read_text()), self.tok)
         trie.meta.update(name=name, version=1)
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
@@ -84,7 +83,7 @@ class Harness:
         shortlists = []
         for q in queries:
             k = len(q.tools)
-            dense = (vectors @ self.encoder.encode(intent_parts(q.text)).T).max(axis=1)
+            dense = vectors @ self.encoder.encode([q.text])[0]
             lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
             s = retriever.shortlist(q.text, max(SHORTLIST, k))
