@@ -17,7 +17,7 @@ import numpy as np
 
 import ctypes
 
-from decoder_service.model.cuda.kernels import WARP, ldf, warp_sum
+from decoder_service.model.cuda.intrinsics import WARP, ldf, warp_sum
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402

@@ -54,7 +54,7 @@ def _case(tmp, arch: str, most_splits: int | None = None, head_dim: int | None =
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.cuda.kernels import TP
+    from decoder_service.model.cuda.attention import TP
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.reference import attend
     from decoder_service.model.weights import f32_to_bf16, load_weights, to_float32
@@ -98,7 +98,7 @@ if __name__ == "__main__":
     from pathlib import Path
 
     from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.cuda.kernels import SIM
+    from decoder_service.model.cuda.intrinsics import SIM
     from model_fixtures import backend_refusals
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:

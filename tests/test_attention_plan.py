@@ -5,7 +5,7 @@ import numpy as np
 
 from decoder_service.model.batch import StepBatch
 from decoder_service.model.cuda.backend import attention_plan, prompt_split
-from decoder_service.model.cuda.kernels import TP
+from decoder_service.model.cuda.attention import TP
 
 
 def _plan(chunks, decode_rows, tile_from=10, rows_per_tile=3, split=TP, most_splits=64):
@@ -86,7 +86,7 @@ import json
 import numpy as np
 from decoder_service.model.batch import StepBatch, _first_fault
 from decoder_service.model.cuda.backend import _cut_tiles, attention_plan, compile_step_helpers
-from decoder_service.model.cuda.kernels import TP
+from decoder_service.model.cuda.attention import TP
 compile_step_helpers(16, 64, 1000, 3, TP, 64)
 compiled = (len(_first_fault.signatures), len(_cut_tiles.signatures))
 tables = np.zeros((2, 4), np.int32)

@@ -114,7 +114,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.cuda.kernels import SIM
+    from decoder_service.model.cuda.intrinsics import SIM
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.reference import ReferenceModel
     from decoder_service.model.weights import load_weights

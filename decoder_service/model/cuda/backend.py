@@ -42,9 +42,11 @@ from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from . import compat  # noqa: F401
-from .kernels import (ATT_WARPS, GEMM_COLS, GEMM_KERNELS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, MAX_SPLITS, MMA,
-                      MMA_ATTN_KERNELS, MMA_SPLIT, MQ, QB, ROW_SPLITS, SIM, TILE_ROWS, TP, TQ, WARP,
-                      attn_mma_shared_floats, attn_shared_floats)
+from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
+                        attn_shared_floats)
+from .intrinsics import MMA, SIM, TQ, WARP
+from .kernels import GEMM_KERNELS, MMA_ATTN_KERNELS
+from .matmul import GEMM_COLS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, TILE_ROWS
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 

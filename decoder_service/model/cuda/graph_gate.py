@@ -15,7 +15,7 @@ from __future__ import annotations
 import numba
 from numba import cuda
 
-from .kernels import SIM
+from .intrinsics import SIM
 
 SIM_CONDITIONS: dict[int, int] = {}   # simulator only: handle -> the value k_gate set
 

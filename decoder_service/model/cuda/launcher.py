@@ -15,13 +15,15 @@ only), copies are numpy copies, and a ``Graph`` re-runs the captured Python func
 from __future__ import annotations
 
 import ctypes
+import inspect
 import os
 
 import numpy as np
 
 from . import compat  # noqa: F401
 from .graph_gate import SIM_CONDITIONS
-from .kernels import KERNELS, SIM, pdl_capable, signatures
+from .intrinsics import SIM, pdl_capable
+from .kernels import KERNELS, signatures
 
 from numba import cuda  # noqa: E402
 
@@ -109,6 +111,9 @@ class Kernel:
         self.name = name
         self.dispatcher = KERNELS[name] if dispatcher is None else dispatcher
         self.argtypes = signatures(storage)[name] if argtypes is None else tuple(argtypes)
+        self.params = tuple(inspect.signature(self.dispatcher.py_func).parameters)   # the kernel's names
+        if len(self.params) != len(self.argtypes):
+            raise TypeError(f"{name}: {len(self.argtypes)} argument types for parameters {self.params}")
         self.func = None
         self.attrs = None
         self.module = None  # the loaded module: its global symbols (constant memory) live there
@@ -133,6 +138,14 @@ class Kernel:
             attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT
             check(drv.cuFuncSetAttribute(self.func, attr, carve), f"cuFuncSetAttribute({name})")
 
+    def ordered(self, named: dict) -> list:
+        """Keyword arguments in the kernel's parameter order (numba's kernels take positional ones only);
+        a missing or unknown name raises TypeError. Called once per Launch, when its parameters are packed."""
+        if named.keys() != set(self.params):
+            missing, unknown = set(self.params) - named.keys(), named.keys() - set(self.params)
+            raise TypeError(f"{self.name}: missing arguments {sorted(missing)}, unknown {sorted(unknown)}")
+        return [named[p] for p in self.params]
+
     def occupancy(self, block: int, shmem: int) -> int:
         """Resident blocks per SM for this block size and dynamic shared memory (opted into first: asked
         before a launch allows it, the driver counts none; perf log q1)."""
@@ -152,11 +165,14 @@ class Kernel:
 
 
 class Launch:
-    """One kernel with its arguments packed once; ``launch(gx, gy)`` enqueues it on the stream."""
+    """One kernel with its arguments packed once; ``launch(gx, gy)`` enqueues it on the stream. ``args``:
+    by parameter name (a dict, put in the kernel's order here, once), or a list in that order."""
 
     __slots__ = ("kernel", "block", "shmem", "args", "stream", "_vals", "_ptrs", "_addr", "name", "_config")
 
-    def __init__(self, kernel: Kernel, block: int, shmem: int, args: list, stream, name: str = ""):
+    def __init__(self, kernel: Kernel, block: int, shmem: int, args: list | dict, stream, name: str = ""):
+        if isinstance(args, dict):
+            args = kernel.ordered(args)
         if len(args) != len(kernel.argtypes):
             raise TypeError(f"{kernel.name}: {len(args)} arguments for {len(kernel.argtypes)} parameters")
         self.kernel, self.block, self.shmem, self.args = kernel, int(block), int(shmem), list(args)

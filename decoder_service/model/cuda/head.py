@@ -1,0 +1,88 @@
+"""The model's ends: the token embedding in, the sparse head (logits of candidate tokens only) out;
+the dense head is a GEMV (matmul.k_gemv over the vocabulary)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+
+from .intrinsics import WARP, ld8, pdl_enter
+from .matmul import dot2, prefetch_row, stage_row
+SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+
+
+@cuda.jit(cache=True)
+def k_embed(tokens, E, Q, x, x_stride):
+    """x[r, :8Q] = E[tokens[r], :8Q] (rows padded with zeros; widened to float32). Grid (R,)."""
+    pdl_enter()
+    r = cuda.blockIdx.x
+    base = np.int64(tokens[r]) * (Q * 8)
+    xb = np.int64(r) * x_stride
+    for c in range(cuda.threadIdx.x, Q, cuda.blockDim.x):
+        v0, v1, v2, v3, v4, v5, v6, v7 = ld8(E, base + c * 8)
+        o = xb + c * 8
+        x[o] = v0
+        x[o + 1] = v1
+        x[o + 2] = v2
+        x[o + 3] = v3
+        x[o + 4] = v4
+        x[o + 5] = v5
+        x[o + 6] = v6
+        x[o + 7] = v7
+
+SIGNATURES["k_embed"] = lambda t: (t.ai, t.W, t.i32, t.f32, t.i32)
+
+
+@cuda.jit(cache=True)
+def k_sparse(h, h_stride, W, Q, V, cand, ncand, cmax, out, pf, epl):
+    """Logits of candidate tokens only: out[i, c] = W[cand[i, c]] . h[i] for c < ncand[i].
+
+    The same staging and the same dot2 as the dense head, so a candidate's logit is bit-identical to
+    the dense head's. Ids outside [0, V) give NaN (the caller fails loudly). Grid (tiles, N).
+    """
+    pdl_enter()
+    xs = cuda.shared.array(0, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    i = cuda.blockIdx.y
+    n = ncand[i]
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    nw = T // WARP
+    if cuda.blockIdx.x * nw * 2 >= n:
+        return
+    lane = tid % WARP
+    Kp = np.int64(Q) * 8
+    ca = (cuda.blockIdx.x * nw + tid // WARP) * 2
+    cb = ca + 1
+    cbase = np.int64(i) * cmax
+    ta = cand[cbase + min(ca, n - 1)]
+    tb = ta
+    if cb < n:
+        tb = cand[cbase + cb]
+    va = ta >= 0 and ta < V
+    vb = tb >= 0 and tb < V
+    sa = ta if va else 0
+    sb = tb if vb else 0
+    if pf != 0 and ca < n:
+        prefetch_row(W, sa * Kp, Kp, lane, pf, epl)
+        prefetch_row(W, sb * Kp, Kp, lane, pf, epl)
+    stage_row(xs, 0, h, np.int64(i) * h_stride, red, np.float32(0.0), 0, Q * 8, Q, tid, T, red, nw)
+    cuda.syncthreads()
+    if ca >= n:
+        return
+    a, b = dot2(W, sa * Kp, sb * Kp, xs, Q, lane)
+    if lane == 0:
+        out[cbase + ca] = a if va else np.float32(math.nan)
+        if cb < n:
+            out[cbase + cb] = b if vb else np.float32(math.nan)
+
+SIGNATURES["k_sparse"] = lambda t: (t.f32, t.i32, t.W, t.i32, t.i32, t.ai, t.ai, t.i32, t.f32, t.i32,
+                                    t.i32)
+
+
+# ------------------------------------------------------------------------------------- signatures

@@ -1,0 +1,109 @@
+"""RoPE (its cos/sin table, and the rotation + KV write of row tiles and q/k-normed models) and the
+final RMSNorm of the logit rows."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+
+from numba import cuda  # noqa: E402
+from numba import float32 as nb_f32  # noqa: E402
+
+from .intrinsics import WARP, block_sum, kv_base, pdl_enter, rope_pair, stf
+from .matmul import stage_row
+SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+
+
+@cuda.jit(cache=True)
+def k_rope_table(inv_freq, half, n, cs):
+    """cs[2j], cs[2j + 1] = cos, sin of p * inv_freq[i] for j = p * half + i, positions p < n: RoPE's
+    rotations, computed once (angles in float64, rounded to float32). Grid: n * half threads."""
+    pdl_enter()
+    j = cuda.grid(1)
+    if j < n * half:
+        p = j // half
+        ang = np.float64(p) * inv_freq[j - p * half]
+        cs[2 * j] = np.float32(math.cos(ang))
+        cs[2 * j + 1] = np.float32(math.sin(ang))
+
+SIGNATURES["k_rope_table"] = lambda t: (t.f64, t.i32, t.i32, t.f32)
+
+
+@cuda.jit(cache=True)
+def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nh, nkv, hd,
+              cs, qn, kn, gofs, use_qkn, eps):
+    """Per (row, head): optional per-head RMSNorm (Qwen3), RoPE (rotate_half pairs (i, i + hd/2),
+    rotations from k_rope_table's cs), q written back in place, k and v written to the paged pool.
+    Grid (R, nh+nkv)."""
+    pdl_enter()
+    red = cuda.shared.array(32, nb_f32)
+    r = cuda.blockIdx.x
+    hh = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    half = hd // 2
+    pos = positions[r]
+    rowb = np.int64(r) * qkv_stride
+    is_q = hh < nh
+    kvh = hh - nh
+    if is_q:
+        src = rowb + hh * hd
+    else:
+        src = rowb + nh * hd + kvh * hd
+    inv = np.float32(1.0)
+    if use_qkn != 0:
+        ss = np.float32(0.0)
+        for i in range(tid, hd, T):
+            v = qkv[src + i]
+            ss += v * v
+        ss = block_sum(ss, red, tid, T // WARP)
+        inv = np.float32(1.0) / math.sqrt(ss / np.float32(hd) + eps)
+    kb = np.int64(-1)
+    if not is_q:
+        kb = kv_base(bt, mb, slots[r], pos, bs, layer_off, np.int64(nkv) * hd, kvh, hd)
+    for i in range(tid, half, T):
+        x1 = qkv[src + i]
+        x2 = qkv[src + i + half]
+        if use_qkn != 0:
+            if is_q:
+                x1 = x1 * inv * qn[gofs + i]
+                x2 = x2 * inv * qn[gofs + i + half]
+            else:
+                x1 = x1 * inv * kn[gofs + i]
+                x2 = x2 * inv * kn[gofs + i + half]
+        y1, y2 = rope_pair(x1, x2, cs, pos, half, i)
+        if is_q:
+            qkv[src + i] = y1
+            qkv[src + i + half] = y2
+        elif kb >= 0:
+            stf(kc, kb + i, y1)
+            stf(kc, kb + i + half, y2)
+    if not is_q and kb >= 0:
+        vsrc = rowb + (nh + nkv) * hd + kvh * hd
+        for i in range(tid, hd, T):
+            stf(vc, kb + i, qkv[vsrc + i])
+
+SIGNATURES["k_rope_kv"] = lambda t: (t.f32, t.i32, t.ai, t.ai, t.ai, t.i32, t.W, t.W, t.i64, t.i32, t.i32, t.i32,
+                                     t.i32, t.f32, t.f32, t.f32, t.i32, t.i32, t.f)
+
+
+@cuda.jit(cache=True)
+def k_final_norm(x, x_stride, rows, gamma, eps, K, Q, out, out_stride):
+    """out[i] = RMSNorm(x[rows[i]]) * gamma: the final-normed hidden state of the logit rows
+    (the same staging and tree as the fused norms; padding columns stay zero)."""
+    pdl_enter()
+    xs = cuda.shared.array(0, nb_f32)
+    red = cuda.shared.array(32, nb_f32)
+    i = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    stage_row(xs, 0, x, np.int64(rows[i]) * x_stride, gamma, eps, 1, K, Q, tid, T, red, T // WARP)
+    ob = np.int64(i) * out_stride
+    for c in range(tid, Q, T):          # each thread writes back the chunks it staged
+        for e in range(8):
+            out[ob + c * 8 + e] = xs[e * Q + c]
+
+SIGNATURES["k_final_norm"] = lambda t: (t.f32, t.i32, t.ai, t.f32, t.f, t.i32, t.i32, t.f32, t.i32)
+
