@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from shared.bm25 import Bm25Index, tool_terms
+from shared.bm25 import Bm25Index, terms, tool_terms
 from shared.catalog import Catalog, CatalogError
 from shared.prompt import PromptTemplate, default_template
 from shared.tokenizer import ModelTokenizer
@@ -50,13 +50,6 @@ def check_prompt_text(catalog: Catalog, tok: ModelTokenizer) -> None:
                                    f"token {hit!r}")
 
 
-def tool_description(tool) -> str:
-    """What the prompt says of a tool: its description, then its examples."""
-    if not tool.examples:
-        return tool.description
-    return f"{tool.description} (e.g. " + "; ".join(" ".join(x.split()) for x in tool.examples) + ")"
-
-
 def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
     """Compile a validated catalog into a trie whose metadata holds everything the decoder needs."""
     started = time.perf_counter()
@@ -69,10 +62,13 @@ def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTempl
     trie = build_trie(tokenize_names(names, tok, template.separator, sep_id), names, sep_id, stop_id)
     by_name = {t.name: t for t in catalog.tools}
     tools = [by_name[n] for n in trie.pointer_names]   # in pointer-id order, as the decoder indexes them
-    index = Bm25Index.build([tool_terms(t.name, t.description) for t in tools])
+    # a tool's document: its name, its description, and the requests it answers (its examples)
+    index = Bm25Index.build([tool_terms(t.name, t.description) + [w for x in t.examples for w in terms(x)]
+                             for t in tools])
     trie.extra.update({f"bm25_{a}": getattr(index, a) for a in Bm25Index.ARRAYS})
     trie.meta.update({
-        "descriptions": [tool_description(t) for t in tools],
+        "descriptions": [t.description for t in tools],
+        "examples": [list(t.examples) for t in tools],
         "bm25_terms": index.terms,
         "content_hash": catalog.content_hash_with(template, tok.hash),
         "tokenizer_hash": tok.hash,

@@ -1,15 +1,18 @@
 """The first stage of a request: a shortlist of a catalog version's tools, from BM25 and the dense encoder.
 
-Each tool's score is a weighted sum of its cosine similarity to the intent (the encoder's unit vectors) and
-its BM25 score, each standardised over the tools the request allows (minus the mean, over the standard
-deviation), so that neither scale dominates (`DENSE_WEIGHT` and the standardising: measured on the training
-split, docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same
-intent gives the same shortlist, alone or in any batch.
+Each tool's score is a weighted sum of its dense score and its BM25 score, each standardised over the tools the
+request allows (minus the mean, over the standard deviation), so that neither scale dominates. The dense score
+is the best cosine between the tool's vector and the intent or one of its clauses (a request for several tools
+names each in a clause); a tool's vector is its text's, pulled towards the mean of its examples' (requests it
+answers, from the registry). Every choice here was measured on the training split (docs/quality.md). The
+shortlist is the N best, the lower pointer id on a tie: the same intent gives the same shortlist, alone or in
+any batch.
 """
 from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ from shared.trie import Trie, read_blob_metadata
 
 DENSE_WEIGHT = 0.6
 SHORTLIST = 20
+MAX_PARTS = 8    # the intent and at most 7 of its clauses
+_CLAUSE = re.compile(r"(?<=[.?!;])\s+|,? and (?:then |also )?|,? then |, also ")
 
 
 @dataclass(frozen=True)
@@ -33,6 +38,13 @@ class Shortlist:
 def tool_texts(trie: Trie) -> list[str]:
     """What the encoder reads of each tool, by pointer id: its name and its description."""
     return [f"{n}: {d}" if d else n for n, d in zip(trie.pointer_names, trie.meta["descriptions"])]
+
+
+def intent_parts(intent: str) -> list[str]:
+    """The intent, then its clauses of three words or more (split at sentence ends, "and", "then") when it has
+    two or more: what the encoder reads of a request."""
+    clauses = [c.strip() for c in _CLAUSE.split(intent) if len(c.split()) >= 3]
+    return [intent] + (clauses[:MAX_PARTS - 1] if len(clauses) > 1 else [])
 
 
 def bm25_index(trie: Trie) -> Bm25Index:
@@ -62,10 +74,23 @@ def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) ->
     return vectors.astype(np.float32)
 
 
+def tool_vectors(trie: Trie, encoder) -> np.ndarray:
+    """Each tool's unit vector: its text's plus the mean of its examples', normalised (a tool without
+    examples: its text's)."""
+    n = len(trie.pointer_names)
+    examples = trie.meta.get("examples") or [[] for _ in range(n)]
+    encoded = encoder.encode(tool_texts(trie) + [x for e in examples for x in e]).astype(np.float64)
+    counts = np.asarray([len(e) for e in examples])
+    sums = np.zeros((n, encoded.shape[1]))
+    np.add.at(sums, np.repeat(np.arange(n), counts), encoded[n:])
+    vectors = encoded[:n] + sums / np.maximum(counts, 1)[:, None]
+    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+
+
 def computed_vectors(trie: Trie, encoder) -> tuple[np.ndarray, bytes]:
     """(vectors, blob): the version's tool vectors computed now, returned through their stored form (float16)
     so that a version answers the same whichever replica computed them, and the blob to store."""
-    blob = vectors_blob(encoder.encode(tool_texts(trie)), trie.meta["content_hash"], encoder.digest)
+    blob = vectors_blob(tool_vectors(trie, encoder), trie.meta["content_hash"], encoder.digest)
     return vectors_from_blob(blob, trie, encoder.digest, encoder.dim), blob
 
 
@@ -81,7 +106,7 @@ class Retriever:
         if encoder is not None and encoder.backend_name == "cuda":
             from decoder_service.retrieval_cuda import MAX_N, DeviceScorer
             self.device, self.device_max = DeviceScorer(vectors), MAX_N
-            # the cosines' mean and second moment over every tool, for any intent q: mean @ q and q @ gram @ q
+            # the cosines' mean and second moment over every tool, for any vector q: mean @ q and q @ gram @ q
             self.mean = vectors.astype(np.float64).mean(axis=0)
             self.gram = (vectors.T @ vectors).astype(np.float64) / len(vectors)
 
@@ -93,7 +118,8 @@ class Retriever:
             keep[allow] = True
         fused = (1.0 - self.dense_weight) * standardised(self.index.scores(intent, self.size), keep)
         if self.encoder is not None:
-            fused += self.dense_weight * standardised(self.vectors @ self.encoder.encode([intent])[0], keep)
+            cos = self.vectors @ self.encoder.encode(intent_parts(intent)).T    # [tools, parts]
+            fused += self.dense_weight * standardised(cos.max(axis=1), keep, by=cos[:, 0])
         fused = fused.astype(np.float32)
         fused[~keep] = -np.inf
         return fused
@@ -112,9 +138,10 @@ class Retriever:
         return Shortlist(ids, scores, time.perf_counter() - started)
 
     def _on_device(self, intent: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`scores`' fusion over every tool, as a*cos + k0 + c*bm25: the cosines' mean and spread from the
-        precomputed moments, BM25's from the matched tools (the others score 0)."""
-        q = self.encoder.encode([intent])[0]
+        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25: the intent's cosines' mean and spread
+        from the precomputed moments, BM25's from the matched tools (the others score 0)."""
+        parts = self.encoder.encode(intent_parts(intent))
+        q = parts[0]
         ids, values = self.index.matched(intent, self.size)
         md = float(self.mean @ q)
         sd = math.sqrt(max(float(q @ self.gram @ q) - md * md, 0.0))
@@ -122,13 +149,15 @@ class Retriever:
         sb = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mb * mb, 0.0))
         a = self.dense_weight / sd if sd > 0 else 0.0
         c = (1.0 - self.dense_weight) / sb if sb > 0 else 0.0
-        return self.device.shortlist(q, a, -a * md - c * mb, (ids, values), c, n)
+        return self.device.shortlist(parts, a, -a * md - c * mb, (ids, values), c, n)
 
 
-def standardised(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
-    """float64 (x - mean) / std over the kept entries (0 where they are all equal)."""
+def standardised(x: np.ndarray, keep: np.ndarray, by: np.ndarray | None = None) -> np.ndarray:
+    """float64 (x - mean) / std, mean and std those of `by` (default x) over the kept entries (0 where they are
+    all equal)."""
     x = x.astype(np.float64)
-    mean, std = x[keep].mean(), x[keep].std()
+    by = x if by is None else by.astype(np.float64)
+    mean, std = by[keep].mean(), by[keep].std()
     return (x - mean) / std if std > 0 else np.zeros_like(x)
 
 

@@ -45,6 +45,18 @@ def catalog_path(name: str) -> Path:
     return data_dir() / name / "catalog.json"
 
 
+def registry(name: str) -> str:
+    """A set's catalog as registry JSON whose tools carry, as examples, the training split's queries that ask
+    for that tool alone: the labelled requests an operator publishes with a catalog (never a validation one)."""
+    examples: dict[str, list[str]] = {}
+    for q in queries(name, "train"):
+        if len(q.tools) == 1:
+            examples.setdefault(q.tools[0], []).append(q.text)
+    tools = json.loads(catalog_path(name).read_text(encoding="utf-8"))
+    return json.dumps([{"name": t["name"], "description": t["description"], "examples": examples.get(t["name"], [])}
+                       for t in tools], ensure_ascii=False)
+
+
 def queries(name: str, split: str = "all") -> list[Query]:
     """A set's labelled queries: split "train" (never validation), "validation", or "all"."""
     if split not in ("train", "validation", "all"):

@@ -23,6 +23,14 @@ CONSTANT_MEMORY_BUDGET = 64 * 1024
 ARRAYS = ("node_edge_start", "edge_token", "edge_child", "edge_lo", "edge_hi")
 
 
+def control_edge_legal(child, n_emitted, k):
+    """The exactly-k rule for an edge into `child` taken after n_emitted of k pointers: the separator only
+    while another pointer is owed after this one, the stop only after the k-th, any other edge always (whether
+    its pointers are still available is the sampler's other test). One definition, compiled for the host
+    sampler (numba), the device's k_mask (numba.cuda) and read by the engine's forced tails."""
+    return (child != SEP or n_emitted + 1 < k) and (child != STOP or n_emitted + 1 == k)
+
+
 class TrieCorrupt(ValueError):
     """The arrays or metadata of a blob do not form a well-formed trie (Trie.check)."""
 
@@ -163,6 +171,10 @@ class Trie:
         descriptions = self.meta.get("descriptions", [None] * n_ptr)
         if not isinstance(descriptions, list) or len(descriptions) != n_ptr:
             bad("metadata 'descriptions' does not hold one entry per tool")
+        examples = self.meta.get("examples", [[]] * n_ptr)
+        if (not isinstance(examples, list) or len(examples) != n_ptr
+                or not all(isinstance(e, list) and all(isinstance(x, str) for x in e) for e in examples)):
+            bad("metadata 'examples' does not hold one list of strings per tool")
 
     def spelled(self) -> list[list[int]]:
         """Each pointer's tokens, by pointer id, from one walk over the trie (a checked trie)."""

@@ -52,6 +52,7 @@ CORRUPTIONS = {
         int(np.flatnonzero(t.edge_child < 0)[0]), (int(t.edge_lo[np.flatnonzero(t.edge_child < 0)[0]]) + 7) % 30),
     "depth understated": lambda t: t.meta.__setitem__("max_pointer_tokens", 1),
     "a description missing": lambda t: t.meta["descriptions"].pop(),
+    "an example not text": lambda t: t.meta["examples"].__setitem__(0, [3]),
     "an int64 array": lambda t: setattr(t, "edge_lo", t.edge_lo.astype(np.int64)),
 }
 

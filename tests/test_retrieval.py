@@ -1,11 +1,15 @@
-"""The first stage: BM25 terms and index, fusion with the dense scores, the shortlist's order, stored vectors."""
+"""The first stage: BM25 terms and index, fusion with the dense scores, the intent's clauses, the examples'
+pull on a tool's vector, the shortlist's order, stored vectors."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from decoder_service.retrieval import Retriever, top_n, vectors_blob, vectors_from_blob
+from compiler_service.compiler import compile_catalog
+from decoder_service.retrieval import Retriever, intent_parts, tool_vectors, top_n, vectors_blob, vectors_from_blob
 from shared.bm25 import Bm25Index, terms, tool_terms
+from shared.catalog import parse_registry
+from shared.tokenizer import ModelTokenizer
 from shared.trie import Trie
 
 
@@ -41,6 +45,64 @@ def test_top_n_is_best_first_with_the_lower_id_on_a_tie():
     scores = np.asarray([0.5, 0.9, 0.9, -np.inf, 0.7, 0.9], np.float32)
     assert top_n(scores, 4).tolist() == [1, 2, 5, 4]
     assert top_n(scores, 6).tolist() == [1, 2, 5, 4, 0, 3]
+
+
+def test_a_tools_examples_are_part_of_its_bm25_document(small_tokenizer_dir):
+    registry = ('[{"name": "alpha", "description": "first tool", "examples": ["convert these pounds to euros"]},'
+                ' {"name": "beta", "description": "second tool"}]')
+    tok = ModelTokenizer(small_tokenizer_dir)
+    trie = compile_catalog(parse_registry(registry), tok)
+    alpha = trie.pointer_names.index("alpha")                  # pointer ids follow the trie, not the registry
+    assert trie.meta["examples"][alpha] == ["convert these pounds to euros"]
+    assert trie.meta["examples"][1 - alpha] == []
+    assert trie.meta["descriptions"][alpha] == "first tool"   # the prompt's description: examples stay out of it
+    trie.check(tok.tokenizer.get_vocab_size())
+    retriever = Retriever(Bm25Index(trie.meta["bm25_terms"], *(trie.extra[f"bm25_{a}"] for a in Bm25Index.ARRAYS)),
+                          2)
+    assert retriever.shortlist("how many euros is 20 pounds", 2).ids.tolist() == [alpha, 1 - alpha]
+    trie.meta["examples"] = [["fine"], [3]]
+    with pytest.raises(Exception, match="'examples' does not hold one list of strings per tool"):
+        trie.check(tok.tokenizer.get_vocab_size())
+
+
+def test_an_intent_splits_into_its_clauses_of_three_words_or_more():
+    one = "What's the weather like in Paris tomorrow?"
+    assert intent_parts(one) == [one]
+    two = "Find me a cheap flight to Rome, and then book a hotel near the station. Thanks!"
+    assert intent_parts(two) == [two, "Find me a cheap flight to Rome", "book a hotel near the station."]
+    assert intent_parts("weather and news") == ["weather and news"]     # no clause of three words: the whole
+    many = ". ".join(f"Please do task number {i}" for i in range(12))
+    assert len(intent_parts(many)) == 8 and intent_parts(many)[1] == "Please do task number 0."
+
+
+class Table:
+    """An encoder stand-in with a vector per text (the real one is tested in test_encoder.py)."""
+    backend_name, dim, digest = "cpu", 2, "table"
+
+    def __init__(self, table):
+        self.table = {k: np.asarray(v, np.float32) for k, v in table.items()}
+
+    def encode(self, texts):
+        return np.stack([self.table[t] for t in texts])
+
+
+def test_each_clause_of_a_request_for_two_tools_finds_its_tool():
+    vectors = np.asarray([[1, 0], [0, 1], [0.8, 0.6]], np.float32)
+    intent = "convert the money first and then check the weather"
+    table = Table({intent: [0.6, 0.8], "convert the money first": [1, 0], "check the weather": [0, 1],
+                   "the weather please": [0.6, 0.8]})
+    retriever = Retriever(Bm25Index.build([["x"], ["y"], ["z"]]), 3, vectors, table, dense_weight=1.0)
+    assert retriever.shortlist(intent, 2).ids.tolist() == [0, 1]               # a clause's best cosine each
+    assert retriever.shortlist("the weather please", 2).ids.tolist() == [2, 1]  # one clause: the whole intent
+
+
+def test_examples_pull_a_tools_vector_towards_the_requests_it_answers():
+    trie = Trie(np.asarray([0, 0], np.int32), *(np.empty(0, np.int32),) * 4, pointer_names=["a", "b"], sep_id=0,
+                stop_id=1, meta={"descriptions": ["one", ""], "examples": [["x", "y"], []]})
+    table = Table({"a: one": [1, 0], "b": [0, 3], "x": [0, 1], "y": [0.6, 0.8]})
+    got = tool_vectors(trie, table)
+    want = np.asarray([1, 0]) + (np.asarray([0, 1]) + np.asarray([0.6, 0.8])) / 2
+    assert np.allclose(got, [want / np.linalg.norm(want), [0, 1]], atol=1e-7) and got.dtype == np.float32
 
 
 class Fixed:

@@ -7,7 +7,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compiler_service.compiler import tokenize_names, tool_description
+from compiler_service.compiler import tokenize_names
 from shared.catalog import parse_registry
 from shared.dataset import is_validation
 from shared.prompt import default_template
@@ -63,7 +63,7 @@ class Encoder:
         tools = parse_registry(raw).tools
         names = [t.name for t in tools]
         ids = tokenize_names(names, self.tok, self.template.separator, self.sep_id)
-        return Catalog(source.name, names, [tool_description(t) for t in tools], ids,
+        return Catalog(source.name, names, [t.description for t in tools], ids,
                        hashlib.sha256(raw).hexdigest(), index={n: i for i, n in enumerate(names)})
 
     def prompt(self, item: Item, order: list[int]) -> list[int]:
