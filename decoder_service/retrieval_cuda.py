@@ -1,7 +1,7 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
 A version's tool vectors stay on the device (float16). For an intent, `k_fuse` gives each tool one warp
-that takes its cosine with the intent and writes a*cos + k0; `k_add` adds the BM25 term of the tools the
+that takes its best cosine with the intent's parts (the intent and its clauses) and writes a*cos + k0; `k_add` adds the BM25 term of the tools the
 host's index matched (c*bm25); `k_best` keeps each block's best n of its slice and one more `k_best` block
 merges them. Only n ids and scores come back to the host. The order is retrieval.top_n's: the higher
 score, the lower id on a tie; every reduction has a fixed shape, so an intent's shortlist is the same in
@@ -18,6 +18,7 @@ import numpy as np
 import ctypes
 
 from decoder_service.model.cuda.intrinsics import WARP, ldf, warp_sum
+from decoder_service.retrieval import MAX_PARTS
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
@@ -31,19 +32,21 @@ _S, _X = t.int32, t.float32
 
 
 @cuda.jit(cache=not SIM)
-def k_fuse(vectors, dim, n, query, a, k0, out):
-    """out[tool] = a * (vectors[tool] . query) + k0, one warp per tool (lanes stride the dimensions, then the
-    warp's fixed butterfly sum)."""
+def k_fuse(vectors, dim, n, queries, parts, a, k0, out):
+    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, one warp per tool (lanes
+    stride the dimensions, then the warp's fixed butterfly sum)."""
     lane = cuda.threadIdx.x % WARP
     tool = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
     if tool >= n:
         return
-    s = numba.float32(0.0)
-    for j in range(lane, dim, WARP):
-        s += ldf(vectors, tool * dim + j) * query[j]
-    s = warp_sum(s)
+    best = numba.float32(-math.inf)
+    for p in range(parts):
+        s = numba.float32(0.0)
+        for j in range(lane, dim, WARP):
+            s += ldf(vectors, tool * dim + j) * queries[p * dim + j]
+        best = max(best, warp_sum(s))
     if lane == 0:
-        out[tool] = a * s + k0
+        out[tool] = a * best + k0
 
 
 @cuda.jit(cache=not SIM)
@@ -107,7 +110,7 @@ class DeviceScorer:
         self.blocks = -(-n // SLICE)
         self.stream = Stream()
         self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())
-        self.query = cuda.device_array(dim, np.float32)
+        self.queries = cuda.device_array(MAX_PARTS * dim, np.float32)
         self.scores = cuda.device_array(n, np.float32)
         self.part_scores = cuda.device_array(self.blocks * MAX_N, np.float32)
         self.part_ids = cuda.device_array(self.blocks * MAX_N, np.int32)
@@ -117,13 +120,14 @@ class DeviceScorer:
         self.matched_ids = cuda.device_array(n, np.int32)
         self.matched_values = cuda.device_array(n, np.float32)
         pin = np.zeros if SIM else cuda.pinned_array
-        self.host_query, self.host_ids, self.host_values = pin(dim, np.float32), pin(n, np.int32), pin(n, np.float32)
+        self.host_queries, self.host_ids, self.host_values = pin(MAX_PARTS * dim, np.float32), pin(n, np.int32), pin(n, np.float32)
         self.out_ids, self.out_scores = pin(MAX_N, np.int32), pin(MAX_N, np.float32)
         # the launches, packed once; what changes per request is in these scalars
         self.a, self.k0, self.c = (Scalar(ctypes.c_float) for _ in range(3))
-        self.m, self.top, self.merged = (Scalar(ctypes.c_int32) for _ in range(3))
+        self.m, self.top, self.merged, self.parts = (Scalar(ctypes.c_int32) for _ in range(4))
         k, h = Kernels.get(), self.stream.handle
-        self.fuse = Launch(k.fuse, WARPS * WARP, 0, [self.vectors, dim, n, self.query, self.a, self.k0, self.scores], h)
+        self.fuse = Launch(k.fuse, WARPS * WARP, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
+                                                         parts=self.parts, a=self.a, k0=self.k0, out=self.scores), h)
         self.add = Launch(k.add, 256, 0, [self.matched_ids, self.matched_values, self.m, self.c, self.scores], h)
         self.part = Launch(k.best, THREADS, 0, [self.scores, self.no_ids, n, SLICE, self.top, self.part_scores,
                                                 self.part_ids], h)
@@ -131,20 +135,23 @@ class DeviceScorer:
                                                  self.best_scores, self.best_ids], h)
         self.lock = threading.Lock()
 
-    def shortlist(self, query: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
+    def shortlist(self, queries: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
                   top: int) -> tuple[np.ndarray, np.ndarray]:
-        """(ids, scores) of the `top` best tools by a*cos(query) + k0 + c*bm25 (matched = the BM25 index's
-        (ids, values) of the tools with a nonzero score), best first."""
+        """(ids, scores) of the `top` best tools by a * (best cosine over the rows of queries) + k0 + c*bm25
+        (matched = the BM25 index's (ids, values) of the tools with a nonzero score), best first."""
         if top > MAX_N or top > self.n:
             raise ValueError(f"the device shortlist holds 1 to {min(MAX_N, self.n)} tools, asked for {top}")
+        if not 1 <= len(queries) <= MAX_PARTS:
+            raise ValueError(f"the device scorer takes 1 to {MAX_PARTS} query vectors, got {len(queries)}")
         ids, values = matched
         s, m = self.stream, len(ids)
         with self.lock:
-            self.host_query[:] = query
+            self.host_queries[:queries.size] = queries.ravel()
+            self.parts.value = len(queries)
             self.host_ids[:m], self.host_values[:m] = ids, values
             self.a.value, self.k0.value, self.c.value = a, k0, c
             self.m.value, self.top.value, self.merged.value = m, top, self.blocks * top
-            s.h2d(self.query, self.host_query, self.dim)
+            s.h2d(self.queries, self.host_queries, queries.size)
             s.h2d(self.matched_ids, self.host_ids, m)
             s.h2d(self.matched_values, self.host_values, m)
             self.fuse.launch(-(-self.n // WARPS))
@@ -164,7 +171,7 @@ class Kernels:
     _instance = None
 
     def __init__(self):
-        self.fuse = Kernel("k_fuse", dispatcher=k_fuse, argtypes=(_H, _S, _S, _F, _X, _X, _F))
+        self.fuse = Kernel("k_fuse", dispatcher=k_fuse, argtypes=(_H, _S, _S, _F, _S, _X, _X, _F))
         self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
         self.best = Kernel("k_best", dispatcher=k_best, argtypes=(_F, _I, _S, _S, _S, _F, _I))
 

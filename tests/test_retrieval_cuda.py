@@ -33,14 +33,14 @@ def main() -> None:
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
     scorer = DeviceScorer(vectors)
     mismatches, cases = [], 0
-    for case, (top, matched) in enumerate([(20, 0), (10, 25), (1, 3), (40, n // 3), (20, n)]):
-        axis = case % dim
-        query = np.zeros(dim, np.float32)
-        query[axis] = 1.0                                  # each cosine is one exact product
+    for case, (top, matched, parts) in enumerate([(20, 0, 1), (10, 25, 3), (1, 3, 2), (40, n // 3, 8), (20, n, 1)]):
+        axes = [(case + p) % dim for p in range(parts)]
+        queries = np.zeros((parts, dim), np.float32)
+        queries[np.arange(parts), axes] = 1.0              # each cosine is one exact product
         ids = np.sort(rng.choice(n, matched, replace=False)).astype(np.int32)
         values = rng.integers(1, 8, matched).astype(np.float32)
-        got_ids, got_scores = scorer.shortlist(query, 1.0, 0.0, (ids, values), 0.5, top)
-        host = vectors[:, axis].astype(np.float32)
+        got_ids, got_scores = scorer.shortlist(queries, 1.0, 0.0, (ids, values), 0.5, top)
+        host = vectors[:, axes].astype(np.float32).max(axis=1)   # the best part's cosine
         host[ids] += np.float32(0.5) * values
         want = top_n(host, top)
         if list(got_ids) != list(want) or not np.array_equal(got_scores, host[want]):
