@@ -3,10 +3,12 @@
     .venv/bin/python -m bench quality [--split validation] [--sample 100] [--weights 1000] [--backend auto]
 
 For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
-(shared/dataset.py; `--split train` to choose settings, never validation): BM25 top-k, the dense encoder's
-cosine top-k, their fusion (the decoder's retriever), the share of gold tools within the shortlist (the
-ceiling of any answer drawn from it), and tooltrie's answers through the engine (the shortlist in the
-prompt, the generator constrained to it, the answer's order fused with retrieval at each --weights value).
+(shared/dataset.py; `--split train` to choose settings, never validation), its catalog published with the
+training split's single-tool queries as examples (shared/dataset.registry; on the training split, less the
+queries measured): BM25 top-k, the dense encoder's top-k, their fusion (the decoder's retriever), the share
+of gold tools within the shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through
+the engine (the shortlist in the prompt, the generator constrained to it, the answer's order fused with
+retrieval at each --weights value).
 k is each query's number of gold tools. Prints a markdown table with rows per k and writes
 bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0: all).
 """
@@ -26,7 +28,8 @@ from decoder_service.model.backend import make_backend, resolve_backend, weights
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors, top_n
+from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors,
+                                        intent_parts, top_n)
 from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
@@ -71,19 +74,20 @@ class Harness:
                             self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
 
     def run(self, name: str, split: str, n: int, weights: list[float]) -> dict:
-        trie = compile_catalog(parse_registry(dataset.catalog_path(name).read_text()), self.tok)
+        queries = sample(dataset.queries(name, split), n)
+        held = frozenset(q.text for q in queries) if split == "train" else frozenset()   # never its own example
+        trie = compile_catalog(parse_registry(dataset.registry(name, held)), self.tok)
         trie.meta.update(name=name, version=1)
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
         vectors_s = time.perf_counter() - started
         retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder, self.dense_weight)
-        queries = sample(dataset.queries(name, split), n)
         names = trie.pointer_names
         lists = defaultdict(list)
         shortlists = []
         for q in queries:
             k = len(q.tools)
-            dense = vectors @ self.encoder.encode([q.text])[0]
+            dense = (vectors @ self.encoder.encode(intent_parts(q.text)).T).max(axis=1)
             lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
             s = retriever.shortlist(q.text, max(SHORTLIST, k))

@@ -45,12 +45,13 @@ def catalog_path(name: str) -> Path:
     return data_dir() / name / "catalog.json"
 
 
-def registry(name: str) -> str:
+def registry(name: str, leave_out: frozenset[str] = frozenset()) -> str:
     """A set's catalog as registry JSON whose tools carry, as examples, the training split's queries that ask
-    for that tool alone: the labelled requests an operator publishes with a catalog (never a validation one)."""
+    for that tool alone (less those in leave_out, the queries a run on the training split measures): the
+    labelled requests an operator publishes with a catalog, never a validation one."""
     examples: dict[str, list[str]] = {}
     for q in queries(name, "train"):
-        if len(q.tools) == 1:
+        if len(q.tools) == 1 and q.text not in leave_out:
             examples.setdefault(q.tools[0], []).append(q.text)
     tools = json.loads(catalog_path(name).read_text(encoding="utf-8"))
     return json.dumps([{"name": t["name"], "description": t["description"], "examples": examples.get(t["name"], [])}
