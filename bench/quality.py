@@ -52,8 +52,10 @@ def score(answers: list[list[str]], queries: list) -> dict:
     return {"recall": hits / gold, "exact": exact / len(queries)}
 
 
-def k_group(k: int) -> str:
-    return str(k) if k < 4 else "4+"
+def groups(q, new: frozenset[str]) -> list[str]:
+    """A query's rows besides "all": its k, and with tools held out, whether a gold tool is one of them."""
+    k = str(len(q.tools)) if len(q.tools) < 4 else "4+"
+    return [k] + ([("new tool" if new.intersection(q.tools) else "known tools")] if new else [])
 
 
 class Harness:
@@ -73,10 +75,11 @@ class Harness:
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
                             self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
 
-    def run(self, name: str, split: str, n: int, weights: list[float]) -> dict:
+    def run(self, name: str, split: str, n: int, weights: list[float], hold_out: float = 0.0) -> dict:
         queries = sample(dataset.queries(name, split), n)
         held = frozenset(q.text for q in queries) if split == "train" else frozenset()   # never its own example
-        trie = compile_catalog(parse_registry(dataset.registry(name, held)), self.tok)
+        new = dataset.held_out([t["name"] for t in json.loads(dataset.catalog_path(name).read_text())], hold_out)
+        trie = compile_catalog(parse_registry(dataset.registry(name, held, new)), self.tok)
         trie.meta.update(name=name, version=1)
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
@@ -111,7 +114,8 @@ class Harness:
         for method, answers in lists.items():
             by_k = defaultdict(list)
             for a, q in zip(answers, queries):
-                by_k[k_group(len(q.tools))].append((a, q))
+                for g in groups(q, new):
+                    by_k[g].append((a, q))
             if method == "shortlist":  # the ceiling: gold within the shortlist (recall only)
                 rows[method] = {"all": score(answers, queries)["recall"]}
                 continue
@@ -119,7 +123,8 @@ class Harness:
                             **{g: score([a for a, _ in v], [q for _, q in v]) for g, v in sorted(by_k.items())}}
         counts = defaultdict(int)
         for q in queries:
-            counts[k_group(len(q.tools))] += 1
+            for g in groups(q, new):
+                counts[g] += 1
         return {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
                 "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "rows": rows}
 
@@ -149,6 +154,8 @@ def quality_arguments(p) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--encoder", default=Settings().encoder_dir)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--hold-out-tools", type=float, default=0.0, help="fraction of each catalog's tools published "
+                   "without examples (shared/dataset.held_out), reported apart as new tools")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
 
@@ -161,12 +168,14 @@ def quality(args) -> None:
     started = time.perf_counter()
     results = []
     for name in args.sets.split(","):
-        results.append(harness.run(name, args.split, n, weights))
+        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools))
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
     device = "h200" if harness.kind == "cuda" else "cpu"
-    out = REPO_ROOT / "bench" / "results" / f"quality_{device}{'' if args.split == 'validation' else '_train'}.json"
+    suffix = ("" if args.split == "validation" else "_train") + ("_new_tools" if args.hold_out_tools else "")
+    out = REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
-                               "shortlist": SHORTLIST, "weights": weights, "results": results}, indent=1) + "\n")
+                               "shortlist": SHORTLIST, "weights": weights,
+                               "hold_out_tools": args.hold_out_tools, "results": results}, indent=1) + "\n")
     print(table(results))

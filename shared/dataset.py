@@ -45,13 +45,22 @@ def catalog_path(name: str) -> Path:
     return data_dir() / name / "catalog.json"
 
 
-def registry(name: str, leave_out: frozenset[str] = frozenset()) -> str:
+def held_out(names: list[str], fraction: float) -> frozenset[str]:
+    """A stable `fraction` of a catalog's tool names, chosen by a hash of the name: tools treated as new to
+    the catalog (no labelled query trains or describes them), so that quality on them can be reported."""
+    cut = int(fraction * 10_000)
+    return frozenset(n for n in names if int(hashlib.sha256(("holdout:" + n).encode()).hexdigest()[:8], 16)
+                     % 10_000 < cut)
+
+
+def registry(name: str, leave_out: frozenset[str] = frozenset(), new: frozenset[str] = frozenset()) -> str:
     """A set's catalog as registry JSON whose tools carry, as examples, the training split's queries that ask
-    for that tool alone (less those in leave_out, the queries a run on the training split measures): the
-    labelled requests an operator publishes with a catalog, never a validation one."""
+    for that tool alone (less those in leave_out, the queries a run on the training split measures, and none
+    for the tools in `new`): the labelled requests an operator publishes with a catalog, never a validation
+    one."""
     examples: dict[str, list[str]] = {}
     for q in queries(name, "train"):
-        if len(q.tools) == 1 and q.text not in leave_out:
+        if len(q.tools) == 1 and q.text not in leave_out and q.tools[0] not in new:
             examples.setdefault(q.tools[0], []).append(q.text)
     tools = json.loads(catalog_path(name).read_text(encoding="utf-8"))
     return json.dumps([{"name": t["name"], "description": t["description"], "examples": examples.get(t["name"], [])}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from compiler_service.compiler import tokenize_names
 from shared.catalog import parse_registry
-from shared.dataset import is_validation
+from shared.dataset import held_out, is_validation
 from shared.prompt import default_template
 from shared.tokenizer import ModelTokenizer
 from tune.shortlist import Retriever, with_gold
@@ -93,12 +93,9 @@ def read_queries(path: Path) -> list[dict]:
 
 
 def held_out_tools(names: list[str], fraction: float) -> frozenset[int]:
-    """A stable `fraction` of a catalog's tools, chosen by a hash of the name (no rng)."""
-    if fraction <= 0:
-        return frozenset()
-    cut = int(fraction * 10_000)
-    return frozenset(i for i, n in enumerate(names)
-                     if int(hashlib.sha256(("holdout:" + n).encode()).hexdigest()[:8], 16) % 10_000 < cut)
+    """The indices of shared.dataset.held_out's tools: a stable fraction of the catalog, by a hash of the name."""
+    new = held_out(names, fraction)
+    return frozenset(i for i, n in enumerate(names) if n in new)
 
 
 def synthetic_query(description: str, rng: random.Random) -> str:
