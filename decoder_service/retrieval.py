@@ -74,11 +74,21 @@ def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) ->
     return vectors.astype(np.float32)
 
 
+def written_request(description: str, template: str = "I need to {d}") -> str:
+    """A request written from a tool's description with a template ("{d}": the description, its first letter
+    lower-cased where it starts a sentence)."""
+    d = " ".join(description.split()).rstrip(". ")
+    if template != "{d}" and d[:1].isupper() and not d[1:2].isupper():
+        d = d[0].lower() + d[1:]
+    return template.format(d=d)
+
+
 def tool_vectors(trie: Trie, encoder) -> np.ndarray:
-    """Each tool's unit vector: its text's plus the mean of its examples', normalised (a tool without
-    examples: its text's)."""
+    """Each tool's unit vector: its text's plus the mean of its examples', normalised. A tool without examples
+    has one written from its description, so that every vector leans alike towards how requests are phrased."""
     n = len(trie.pointer_names)
-    examples = trie.meta.get("examples") or [[] for _ in range(n)]
+    examples = [e or ([written_request(d)] if d.strip() else [])
+                for e, d in zip(trie.meta.get("examples") or [[]] * n, trie.meta["descriptions"])]
     encoded = encoder.encode(tool_texts(trie) + [x for e in examples for x in e]).astype(np.float64)
     counts = np.asarray([len(e) for e in examples])
     sums = np.zeros((n, encoded.shape[1]))

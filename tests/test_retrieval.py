@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from compiler_service.compiler import compile_catalog
-from decoder_service.retrieval import Retriever, intent_parts, tool_vectors, top_n, vectors_blob, vectors_from_blob
+from decoder_service.retrieval import (Retriever, intent_parts, tool_vectors, top_n, vectors_blob, vectors_from_blob,
+                                       written_request)
 from shared.bm25 import Bm25Index, terms, tool_terms
 from shared.catalog import parse_registry
 from shared.tokenizer import ModelTokenizer
@@ -97,12 +98,17 @@ def test_each_clause_of_a_request_for_two_tools_finds_its_tool():
 
 
 def test_examples_pull_a_tools_vector_towards_the_requests_it_answers():
-    trie = Trie(np.asarray([0, 0], np.int32), *(np.empty(0, np.int32),) * 4, pointer_names=["a", "b"], sep_id=0,
-                stop_id=1, meta={"descriptions": ["one", ""], "examples": [["x", "y"], []]})
-    table = Table({"a: one": [1, 0], "b": [0, 3], "x": [0, 1], "y": [0.6, 0.8]})
+    trie = Trie(np.asarray([0, 0, 0], np.int32), *(np.empty(0, np.int32),) * 4, pointer_names=["a", "b", "c"],
+                sep_id=0, stop_id=1, meta={"descriptions": ["one", "Finds cheap  flights.", " "],
+                                           "examples": [["x", "y"], [], []]})
+    # a tool without examples has one written from its description (none without a description)
+    assert written_request("Finds cheap  flights.") == "I need to finds cheap flights"
+    assert written_request("PDF tools", "Can you {d}?") == "Can you PDF tools?"
+    table = Table({"a: one": [1, 0], "x": [0, 1], "y": [0.6, 0.8], "b: Finds cheap  flights.": [0, 3],
+                   "I need to finds cheap flights": [4, 0], "c:  ": [0, 2]})
     got = tool_vectors(trie, table)
-    want = np.asarray([1, 0]) + (np.asarray([0, 1]) + np.asarray([0.6, 0.8])) / 2
-    assert np.allclose(got, [want / np.linalg.norm(want), [0, 1]], atol=1e-7) and got.dtype == np.float32
+    a = np.asarray([1, 0]) + (np.asarray([0, 1]) + np.asarray([0.6, 0.8])) / 2
+    assert np.allclose(got, [a / np.linalg.norm(a), [0.8, 0.6], [0, 1]], atol=1e-7) and got.dtype == np.float32
 
 
 class Fixed:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiler_service.compiler import tokenize_names
+from decoder_service.retrieval import written_request
 from shared.catalog import parse_registry
 from shared.dataset import held_out, is_validation
 from shared.prompt import default_template
@@ -100,11 +101,7 @@ def held_out_tools(names: list[str], fraction: float) -> frozenset[int]:
 
 def synthetic_query(description: str, rng: random.Random) -> str:
     """A request written from a tool's description with one of a few templates."""
-    d = " ".join(description.split()).rstrip(". ")
-    template = rng.choice(SYNTHETIC_TEMPLATES)
-    if template != "{d}" and d[:1].isupper() and not d[1:2].isupper():
-        d = d[0].lower() + d[1:]
-    return template.format(d=d)
+    return written_request(description, rng.choice(SYNTHETIC_TEMPLATES))
 
 
 def items(catalog: Catalog, queries: list[dict], n: int, retriever: Retriever) -> list[Item]:
