@@ -166,8 +166,7 @@ class CudaBackend:
                              f"(16-byte K/V row loads)")
         self.cfg, self.spec, self.storage = cfg, kv_spec, weights.dtype
         self.np_dtype = np.dtype(STORAGE_DTYPES[weights.dtype])
-        L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        H, I = cfg.hidden_size, cfg.intermediate_size
         self.max_rows, self.max_logit_rows, self.max_candidates = max_rows, max_logit_rows, max_candidates
         self.max_table = max_table or max(64 * 64, 8 * max(1, -(-cfg.max_position_embeddings // kv_spec.block_size)))
         self.dqkv = cfg.q_size + 2 * cfg.kv_size
@@ -178,8 +177,24 @@ class CudaBackend:
         # of launch: rows, logit rows, table stride, attention grid; at most max_graphs kept)
         self.graph_rows, self.max_graphs = int(graph_rows), int(max_graphs)
         self._graphs: dict[tuple, Graph] = {}
+        self._choose_kernels(attn_split, attn_splits, attn_tile_from, gemm_warps)
+        self._check_memory(weights)
+        self.stream = Stream()
+        self._upload_weights(weights)
+        self._allocate_buffers()
+        self._load_kernels(attn_splits)
+        self._fill_rope_table()
+        self._build_launches()
+        compile_step_helpers(kv_spec.block_size, kv_spec.num_blocks, cfg.vocab_size, self.rows_per_tile,
+                             self.attn_split, self.most_splits)
+        self.stream.synchronize()
 
-        # Launch geometry: fixed per model, never per batch (determinism by construction).
+    # ------------------------------------------------------------------------------------ set-up
+    def _choose_kernels(self, attn_split, attn_splits, attn_tile_from, gemm_warps) -> None:
+        """Launch geometry and which kernel takes which rows: fixed per model, never per batch (determinism
+        by construction)."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        nh, nkv = cfg.num_heads, cfg.num_kv_heads
         if SIM:
             self.t_gemv, self.t_attn, self.t_small = 2 * WARP, 2 * WARP, 2 * WARP
             self.sm_count = 2
@@ -191,8 +206,8 @@ class CudaBackend:
         # Prompt rows of a bf16 model (head_dim <= 128) attend in tiles on the tensor cores (k_attn_mma, or
         # k_attn_mma_wide above head_dim 64; MQ queries a tile; perf log m2, q1), others in k_attn_tiles (QB)
         mma_bound = min((b for b in MMA_ATTN_KERNELS if hd <= b), default=None)
-        self.mma_attn = weights.dtype == "bfloat16" and mma_bound is not None
-        tiles_kernel = MMA_ATTN_KERNELS[mma_bound] if self.mma_attn else "k_attn_tiles"
+        self.mma_attn = self.storage == "bfloat16" and mma_bound is not None
+        self.tiles_kernel = MMA_ATTN_KERNELS[mma_bound] if self.mma_attn else "k_attn_tiles"
         tile_queries = MQ if self.mma_attn else QB
         self.rows_per_tile = tile_queries // (nh // nkv)   # rows whose queries share a block
         self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
@@ -216,17 +231,16 @@ class CudaBackend:
         self.fused_rope = not cfg.qk_norm
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
-        self.gemm = weights.dtype == "bfloat16"
+        self.gemm = self.storage == "bfloat16"
         if gemm_warps is not None and gemm_warps not in GEMM_KERNELS:
             raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be "
                              + " or ".join(f"{w} ({name})" for w, name in GEMM_KERNELS.items()))
         self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
-        self._check_memory(weights)
-        self.stream = Stream()
-        s = self.stream
-
-        # ---- weights, repacked for the kernels (rows padded to a multiple of 8 elements)
+    def _upload_weights(self, weights: Weights) -> None:
+        """The weights, repacked for the kernels (rows padded to a multiple of 8 elements) and uploaded once."""
+        cfg, hd = self.cfg, self.cfg.head_dim
+        L, H, I = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         dev = cuda.to_device
         self.w_embed = dev(_pad_cols(weights.embed, self.kp_h).reshape(-1))
         tied = weights.lm_head is weights.embed
@@ -251,14 +265,17 @@ class CudaBackend:
         self.n_k = dev(f32(weights.k_norm)) if cfg.qk_norm else one
         self.rope_cs = cuda.device_array(self.reach * hd, np.float32)   # cos, sin per (position, pair)
 
-        # ---- KV pool and step buffers
+    def _allocate_buffers(self) -> None:
+        """The KV pool, the step's device buffers (zeroed in stream order) and their pinned host staging."""
+        cfg, kv_spec, s = self.cfg, self.spec, self.stream
+        L, V, nh, nkv, hd = cfg.num_layers, cfg.vocab_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         per_layer = kv_spec.num_blocks * kv_spec.block_size * nkv * hd
         self.kv_layer_elems = per_layer
         self.kv_k = cuda.device_array(L * per_layer, self.np_dtype)
         self.kv_v = cuda.device_array(L * per_layer, self.np_dtype)
         s.memset0(self.kv_k)
         s.memset0(self.kv_v)
-        R, N, C = max_rows, max_logit_rows, max_candidates
+        R, N, C = self.max_rows, self.max_logit_rows, self.max_candidates
         # One int32 input buffer (one copy per step): tokens | slots | positions | attention rows |
         # attention tiles | logit_rows | tables
         self._o_slots, self._o_pos, self._o_arows, self._o_tiles = R, 2 * R, 3 * R, 4 * R
@@ -306,32 +323,32 @@ class CudaBackend:
         self._R = self._N = 0
         self._threads = {threading.get_ident()}
 
-        # ---- kernels (compiled or loaded from the disk cache) and prepacked launches
-        # (only those this model launches: the prompt tiles' kernel is one of MMA_ATTN_KERNELS or k_attn_tiles)
+    def _load_kernels(self, attn_splits: int | None) -> None:
+        """The kernels this model launches, compiled or loaded from the disk cache (the prompt tiles' kernel
+        is one of MMA_ATTN_KERNELS or k_attn_tiles), and what depends on their occupancy."""
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_rope_table", tiles_kernel]
+                 "k_rope_table", self.tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
-        k = self.kernels
         block, shared_floats = (ATT_WARPS * MMA, attn_mma_shared_floats) if self.mma_attn \
             else (QB * TQ, attn_shared_floats)
-        self.tile_attention = (k[tiles_kernel], block, shared_floats(hd, MAX_SPLITS) * 4)
+        self.tile_attention = (self.kernels[self.tiles_kernel], block,
+                               shared_floats(self.cfg.head_dim, MAX_SPLITS) * 4)
         # Longer splits where a long context would cut a request's prompt into more blocks than fit
         # one wave (prompt_split; fixed per model and device, never per batch)
         self.most_splits = self._most_splits() if attn_splits is None else int(attn_splits)
-        # RoPE's cos and sin for every position within the attention's reach, computed once
-        inv_freq = dev(cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
-        Launch(k["k_rope_table"], self.t_small, 0, [inv_freq, hd // 2, self.reach, self.rope_cs],
-               s.handle, "rope_table").launch(-(-self.reach * (hd // 2) // self.t_small))
-        self._build_launches()
-        compile_step_helpers(kv_spec.block_size, kv_spec.num_blocks, cfg.vocab_size, self.rows_per_tile,
-                             self.attn_split, self.most_splits)
-        s.synchronize()
 
-    # ------------------------------------------------------------------------------------ set-up
+    def _fill_rope_table(self) -> None:
+        """RoPE's cos and sin for every position within the attention's reach, computed once."""
+        hd = self.cfg.head_dim
+        inv_freq = cuda.to_device(self.cfg.rope_theta ** (-np.arange(0, hd, 2, dtype=np.float64) / hd))
+        Launch(self.kernels["k_rope_table"], self.t_small, 0,
+               dict(inv_freq=inv_freq, half=hd // 2, n=self.reach, cs=self.rope_cs),
+               self.stream.handle, "rope_table").launch(-(-self.reach * (hd // 2) // self.t_small))
+
     def _most_splits(self) -> int:
         """The most splits a prompt row's context is cut into: on k_attn_mma as many as let a prompt of
         PROMPT_ROWS rows (tiles x KV heads x splits blocks) run in one wave of resident blocks (perf log
@@ -393,17 +410,16 @@ class CudaBackend:
         """(launch, grid_x, resident wave) for one row and for row tiles of the same product. With
         rope = (paired W, paired bias, the layer's offset in the KV pool) the one-row launch runs
         mode 3 (RoPE and the KV write) on the paired rows."""
-        eps = float(self.cfg.rms_norm_eps)
-        epl = 128 // self.np_dtype.itemsize
-
         def args(W, bias, mode):
-            return [x, x_stride, self.logit_rows, 0, gamma, eps, use_norm, W, kp // 8, K, N, bias, use_bias,
-                    out, out_stride, mode, self.prefetch, epl]
+            return dict(x=x, x_stride=x_stride, row_map=self.logit_rows, use_map=0, gamma=gamma,
+                        eps=float(self.cfg.rms_norm_eps), use_norm=use_norm, W=W, Q=kp // 8, K=K, N=N, bias=bias,
+                        use_bias=use_bias, out=out, out_stride=out_stride, mode=mode, pf=self.prefetch,
+                        epl=128 // self.np_dtype.itemsize)
         w1, b1, mode1, layer_off = (rope[0], rope[1], 3, rope[2]) if rope else (W, bias, mode, 0)
-        one = args(w1, b1, mode1) + [self.positions, self.slots, self.block_tables, self.table_stride,
-                                     self.kv_k, self.kv_v, layer_off, self.spec.block_size,
-                                     self.cfg.num_kv_heads, self.cfg.head_dim, self.rope_cs]
-        tile = args(W, bias, mode) + [self.n_rows if name != "dense_head" else self.n_logit]
+        one = dict(args(w1, b1, mode1), positions=self.positions, slots=self.slots, bt=self.block_tables,
+                   mb=self.table_stride, kc=self.kv_k, vc=self.kv_v, layer_off=layer_off, bs=self.spec.block_size,
+                   nkv=self.cfg.num_kv_heads, hd=self.cfg.head_dim, cs=self.rope_cs)
+        tile = dict(args(W, bias, mode), R=self.n_rows if name != "dense_head" else self.n_logit)
         k1, kt = self.kernels["k_gemv"], self.kernels["k_gemv_tile"]
         st = self.stream.handle
         t = self._gemv_threads(N, kp)
@@ -420,8 +436,10 @@ class CudaBackend:
                                     out_stride, mode, rope)
         launches = {key: one, key + "/tile": tile}
         if self.gemm:
-            args = [x, x_stride, gamma, float(self.cfg.rms_norm_eps), use_norm, W, kp, K, N, bias, use_bias,
-                    out, out_stride, mode, *self.gemm_rows]
+            first, end = self.gemm_rows
+            args = dict(x=x, x_stride=x_stride, gamma=gamma, eps=float(self.cfg.rms_norm_eps), use_norm=use_norm,
+                        W=W, Kp=kp, K=K, N=N, bias=bias, use_bias=use_bias, out=out, out_stride=out_stride,
+                        mode=mode, first=first, end=end)
             warps = self._gemm_warps(kp)
             kernel = self.kernels[GEMM_KERNELS[warps]]
             launches[key + "/gemm"] = (Launch(kernel, warps * MMA, 0, args, self.stream.handle, name + "/gemm"),
@@ -436,7 +454,7 @@ class CudaBackend:
         kh, kq, ki = self.kp_h, self.kp_q, self.kp_i
         epl = 128 // self.np_dtype.itemsize
         self.l_embed = Launch(k["k_embed"], self.t_small, 0,
-                              [self.tokens, self.w_embed, kh // 8, self.x, kh], st, "embed")
+                              dict(tokens=self.tokens, E=self.w_embed, Q=kh // 8, x=self.x, x_stride=kh), st, "embed")
         self.layers = []
         for l in range(L):
             wq = self.w_qkv[l * self.dqkv * kh:(l + 1) * self.dqkv * kh]
@@ -453,23 +471,18 @@ class CudaBackend:
                 rope = (self.w_qkv_pairs[l * self.dqkv * kh:(l + 1) * self.dqkv * kh], bp, kvo)
             layer = self._matrix("qkv", f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias,
                                  int(cfg.qkv_bias), self.qkv, self.dqkv, 0, rope)
+            pool = dict(slots=self.slots, positions=self.positions, bt=self.block_tables, mb=self.table_stride,
+                        kc=self.kv_k, vc=self.kv_v, layer_off=kvo, bs=self.spec.block_size, nkv=nkv, hd=hd)
             layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
-                                   [self.qkv, self.dqkv, self.slots, self.positions, self.block_tables,
-                                    self.table_stride, self.kv_k, self.kv_v, kvo, self.spec.block_size,
-                                    nh, nkv, hd, self.rope_cs, self.n_q, self.n_k,
-                                    l * hd if cfg.qk_norm else 0, int(cfg.qk_norm), eps], st, f"rope_kv[{l}]")
+                                   dict(pool, qkv=self.qkv, qkv_stride=self.dqkv, nh=nh, cs=self.rope_cs, qn=self.n_q,
+                                        kn=self.n_k, gofs=l * hd if cfg.qk_norm else 0, use_qkn=int(cfg.qk_norm),
+                                        eps=eps), st, f"rope_kv[{l}]")
+            attention = dict(pool, qkv=self.qkv, qkv_stride=self.dqkv, group=nh // nkv, scale=1.0 / math.sqrt(hd),
+                             out=self.att, out_stride=kq, part=self.attn_part, counters=self.attn_count)
             layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
-                                        [self.qkv, self.dqkv, self.attn_rows, self.slots, self.positions,
-                                         self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
-                                         self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
-                                         self.att, kq, self.attn_part, self.attn_count, ROW_SPLITS],
-                                        st, f"attn_rows[{l}]")
-            layer["attn_tiles"] = Launch(*self.tile_attention,
-                                         [self.qkv, self.dqkv, self.positions, self.attn_tiles, self.slots,
-                                          self.block_tables, self.table_stride, self.kv_k, self.kv_v, kvo,
-                                          self.spec.block_size, nkv, hd, nh // nkv, 1.0 / math.sqrt(hd),
-                                          self.att, kq, self.attn_part, self.attn_count,
-                                          MAX_SPLITS], st, f"attn_tiles[{l}]")
+                                        dict(attention, rows=self.attn_rows, maxs=ROW_SPLITS), st, f"attn_rows[{l}]")
+            layer["attn_tiles"] = Launch(*self.tile_attention, dict(attention, tiles=self.attn_tiles, maxs=MAX_SPLITS),
+                                         st, f"attn_tiles[{l}]")
             layer.update(self._matrix("o", f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H,
                                       self.b_qkv, 0, self.x, kh, 1))
             layer.update(self._matrix("gate_up", f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I,
@@ -478,15 +491,16 @@ class CudaBackend:
                                       0, self.x, kh, 1))
             self.layers.append(layer)
         self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
-                              [self.x, kh, self.logit_rows, self.n_final, eps, H, kh // 8, self.hidden, kh],
-                              st, "final_norm")
+                              dict(x=self.x, x_stride=kh, rows=self.logit_rows, gamma=self.n_final, eps=eps, K=H,
+                                   Q=kh // 8, out=self.hidden, out_stride=kh), st, "final_norm")
         self.l_dense, self.l_dense_tile = self._gemv_pair(
             "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V, self.b_qkv, 0,
             self.logits, V, 0)
         nwc = self.t_gemv // WARP
         self.l_sparse = (Launch(k["k_sparse"], self.t_gemv, kh * 4,
-                                [self.hidden, kh, self.w_head, kh // 8, V, self.cand, self.ncand,
-                                 self.max_candidates, self.sparse, self.prefetch, epl], st, "sparse_head"),
+                                dict(h=self.hidden, h_stride=kh, W=self.w_head, Q=kh // 8, V=V, cand=self.cand,
+                                     ncand=self.ncand, cmax=self.max_candidates, out=self.sparse, pf=self.prefetch,
+                                     epl=epl), st, "sparse_head"),
                          max(1, -(-self.max_candidates // (2 * nwc))))
 
     # ------------------------------------------------------------------------- device-level entries

@@ -351,7 +351,7 @@ class Graph:
         if SIM:
             if gate is not None:   # the handle: a key of SIM_CONDITIONS
                 kernel, flags, n = gate
-                self._gate = Launch(kernel, 1, 0, [flags, n, id(self)], stream.handle)
+                self._gate = Launch(kernel, 1, 0, dict(done=flags, n=n, handle=id(self)), stream.handle)
             return
         self._graph = self._capture(None, fn) if gate is None else self._gated(fn, *gate)
         self._exec = check(drv.cuGraphInstantiate(self._graph, 0), "cuGraphInstantiate")
@@ -362,7 +362,7 @@ class Graph:
         graph = check(drv.cuGraphCreate(0), "cuGraphCreate")
         context = check(drv.cuCtxGetCurrent(), "cuCtxGetCurrent")
         handle = check(drv.cuGraphConditionalHandleCreate(graph, context, 0, 0), "cuGraphConditionalHandleCreate")
-        self._gate = Launch(kernel, 1, 0, [flags, n, int(handle)], self.stream.handle)
+        self._gate = Launch(kernel, 1, 0, dict(done=flags, n=n, handle=int(handle)), self.stream.handle)
         self._capture(graph, lambda: self._gate.launch(1))
         gate_node, = check(drv.cuGraphGetNodes(graph, 1), "cuGraphGetNodes")[0]
         params = drv.CUgraphNodeParams()
