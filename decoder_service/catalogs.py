@@ -118,6 +118,8 @@ class CatalogManager:
                 return rt
         rt = self.load(name, version)  # an explicit older version still in the store
         with self._lock:
+            if not self.active[(name, version)] and self.latest.get(name) != version:
+                self.engine.make_resident(rt, constant=False)   # first pinned: resident before its request
             self.active[(name, version)] += 1
         return rt
 
@@ -314,7 +316,7 @@ class CatalogManager:
         with self._lock:
             self.wanted.setdefault(name, version)
         try:
-            self.load(name, version, superseded=lambda: self.wanted.get(name, version) != version)
+            rt = self.load(name, version, superseded=lambda: self.wanted.get(name, version) != version)
         except Superseded:
             SUPERSEDED.inc()
             log.info("%s v%d superseded by v%s while loading", name, version, self.wanted.get(name))
@@ -332,6 +334,7 @@ class CatalogManager:
             if old == version or self.wanted.get(name) != version:
                 self._retire_if_unused((name, version))  # superseded while it was loading
                 return
+            self.engine.make_resident(rt)   # bound before any request that sees the new default is queued
             self.latest[name] = version
             self.refused.pop(name, None)
             SWAPS.inc()

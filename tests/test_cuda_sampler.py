@@ -74,6 +74,7 @@ def main() -> None:
 
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda import device_trie as dt
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.engine.sampler import SEP, STOP, edge_priors, legal_edges, select
     from decoder_service.model.cuda import sim_accel
@@ -87,8 +88,8 @@ def main() -> None:
     tok = ModelTokenizer(make_tokenizer_dir(Path(tempfile.mkdtemp())))
     tries = {n: compile_catalog(parse_registry(catalog_path(n).read_text()), tok)
              for n in ("metatool", "bigcatalog", "toolbench")}
-    packed = {n: cs.pack_trie(t) for n, t in tries.items()}
-    assert cs.fits_constant_memory(packed["metatool"])
+    packed = {n: dt.pack_trie(t) for n, t in tries.items()}
+    assert dt.fits_constant_memory(packed["metatool"])
     arena_parts, base = [], {}
     offset = 0
     for n, p in packed.items():
@@ -120,11 +121,11 @@ def main() -> None:
     for i, r in enumerate(rows):
         emitted[i, :r[1]] = r[4]
 
-    kernels, stream = cs.SamplerKernels.get(), Stream()
+    kernels, stream = dt.TrieKernels.get(), Stream()
 
     def launch():
         """k_mask then k_select over every row, packed and launched as the engine's are
-        (cuda_sampler.sampler_launches)."""
+        (device_trie.sampler_launches)."""
         d = {
             "base": np.asarray([0 if r[0] == "metatool" else base[r[0]] for r in rows], np.int32),
             "const": np.asarray([1 if r[0] == "metatool" else 0 for r in rows], np.int32),
@@ -140,7 +141,7 @@ def main() -> None:
         logits = np.round(np.asarray([[rng.gauss(0, 1) for _ in range(cmax)] for _ in range(N)], np.float32), 1)
         out = {key: cuda.to_device(np.zeros(N, dt)) for key, dt in
                (("done", np.int32), ("token", np.int32), ("edge", np.int32), ("logprob", np.float64))}
-        mask, select = cs.sampler_launches(kernels, stream.handle, cuda.to_device(arena), dev, kmax,
+        mask, select = dt.sampler_launches(kernels, stream.handle, cuda.to_device(arena), dev, kmax,
                                            cuda.to_device(allow_arena), cuda.to_device(prior_arena), True,
                                            {**cand, "count": ncand, "status": status}, cmax,
                                            cuda.to_device(logits.ravel()), out)
@@ -150,7 +151,7 @@ def main() -> None:
         return (ncand.copy_to_host(), cand["edge"].copy_to_host().reshape(N, cmax), status.copy_to_host(),
                 logits, {key: v.copy_to_host() for key, v in out.items()})
 
-    cs.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
+    dt.ConstantTrie(kernels).bind(("metatool", 1), packed["metatool"], stream)
     nc, edges, status, logits, out = launch()
     mismatches, done_rows = [], 0
     forced = {name: CatalogRuntime.from_trie(t, None, tok, 16).last_pointer_edge for name, t in tries.items()}
@@ -162,7 +163,7 @@ def main() -> None:
         row = SimpleNamespace(allow=allow, allow_all=not len(allow), catalog=SimpleNamespace(max_fanout=t.max_fanout()))
         if c > cs.most_candidates(row):   # the bound that keeps a shortlisted row on the device
             mismatches.append(f"row {i} ({name}): {c} legal edges, over the bound for {len(allow)} allowed tools")
-        if status[i] != cs.OK or nc[i] != c or list(edges[i, :c]) != list(buf[:c]):
+        if status[i] != dt.OK or nc[i] != c or list(edges[i, :c]) != list(buf[:c]):
             mismatches.append(f"row {i} ({name}): mask {list(edges[i, :nc[i]])[:8]} vs host {list(buf[:c])[:8]}")
             continue
         bias = None
@@ -181,7 +182,7 @@ def main() -> None:
     # read it as this MetaTool version
     from shared.catalog import catalog_from_entries
     other = compile_catalog(catalog_from_entries(json.loads(catalog_path("metatool").read_text())[::2]), tok)
-    cs.ConstantTrie(kernels).bind(("metatool", 2), cs.pack_trie(other), stream)
+    dt.ConstantTrie(kernels).bind(("metatool", 2), dt.pack_trie(other), stream)
     nc2, edges2, _, _, _ = launch()
     changed = sum(1 for i, r in enumerate(rows) if r[0] == "metatool" and
                   (nc2[i] != nc[i] or list(edges2[i, :nc2[i]]) != list(edges[i, :nc[i]])))

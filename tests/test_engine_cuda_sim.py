@@ -90,6 +90,12 @@ class CpuModelDeviceHead:
     def copy_kv(self, src_block, dst_block, count):
         self.cpu.copy_kv(src_block, dst_block, count)
 
+    def device_trie(self, **sizes):
+        """The device trie over these buffers, as the CUDA backend's (its k_mask and k_select simulated)."""
+        from decoder_service.model.cuda.device_trie import DeviceTrie
+        return DeviceTrie(stream=self.stream, cand=self.cand, ncand=self.ncand, sparse=self.sparse,
+                          launch_sparse=self.launch_sparse, rows=self.max_logit_rows, cmax=self.max_candidates, **sizes)
+
     def launch_sparse(self, n: int) -> None:
         import numpy as np
         c = self.max_candidates
@@ -113,6 +119,7 @@ def main() -> None:
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda import sim_accel
+    from decoder_service.model.cuda.device_trie import pack_trie
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
     from model_fixtures import make_tiny_model
@@ -149,10 +156,10 @@ def main() -> None:
         catalogs = [engine.load_catalog(t) for t in tries]
         engine.run_until_idle()
         if isinstance(sampler, cs.DeviceSampler):
-            for rt in catalogs:  # version 2 is registered last: it is the resident one
-                sampler._register(rt)
+            for rt in catalogs:  # version 2 is bound last: it is the one in constant memory
+                sampler.bind(rt)
             if stale:  # constant memory holds version 1 while the sampler believes version 2 is there
-                sampler.constant.bind(catalogs[1].key, cs.pack_trie(tries[0]), backend.stream)
+                sampler.trie.constant.bind(catalogs[1].key, pack_trie(tries[0]), backend.stream)
         seqs = []
         for i, (intent, k) in enumerate(requests * 2):
             seqs.append(engine.submit(catalogs[i % 2], intent, k))
@@ -184,7 +191,7 @@ def main() -> None:
     resident = sum(1 for i in range(len(got)) if i % 2 == 1)
     stale = serve(cs.DeviceSampler(backend, HostSampler(backend)), stale=True)
     print("RESULT " + json.dumps({"requests": len(got), "differences": differences, "resident_rows": resident,
-                                  "arena_rows": len(got) - resident, "owner": list(device.constant.owner),
+                                  "arena_rows": len(got) - resident, "owner": list(device.trie.constant.owner),
                                   "stale": [m for m in stale if isinstance(m, str)],
                                   "steps_ahead": ahead[:4], "steps_dropped": dropped[:4],
                                   "forwards_skipped": skipped[:4] if simulated else None,

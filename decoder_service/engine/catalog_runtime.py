@@ -16,7 +16,7 @@ import numpy as np
 
 from decoder_service.retrieval import Retriever
 from shared.prompt import PromptTemplate
-from shared.trie import SEP, STOP, Trie
+from shared.trie import SEP, STOP, Trie, control_edge_legal
 
 
 @dataclass
@@ -91,7 +91,8 @@ class CatalogRuntime:
         t = self.trie
         starts = t.node_edge_start[:-1]
         one = np.maximum.reduceat(t.edge_hi, starts) - np.minimum.reduceat(t.edge_lo, starts) == 1
-        edges = np.flatnonzero(t.edge_child != SEP).astype(np.int32)
+        barred = [c for c in (SEP, STOP) if not control_edge_legal(c, 0, 1)]   # illegal on the last pointer
+        edges = np.flatnonzero(~np.isin(t.edge_child, barred)).astype(np.int32)
         owner = self.edge_node[edges]
         forced = np.full(t.num_nodes, -1, np.int32)
         forced[owner[one[owner]]] = edges[one[owner]]

@@ -146,6 +146,12 @@ class DecodeEngine:
         self._post(("submit", warm))
         return rt
 
+    def make_resident(self, rt: CatalogRuntime, constant: bool = True) -> None:
+        """Place the version's trie where the sampler reads it (on a GPU: upload and bind; `constant`: also in
+        constant memory, for the default), at the engine's next step, before any request queued after this
+        call: at the version switch, so that no decode step of its requests pays for it."""
+        self._post(("bind_catalog", (rt, constant)))
+
     def release_catalog(self, rt: CatalogRuntime) -> None:
         """Drop the version's own hold on its prefix blocks; the shared ones are freed when its last request
         ends (a request holds no reference to the tail block: it copied the tail's K/V when admitted)."""
@@ -238,6 +244,8 @@ class DecodeEngine:
             kind, item = self._inbox.popleft()
             if kind == "submit":
                 self.scheduler.add(item)
+            elif kind == "bind_catalog":
+                self.sampler.bind(*item)
             elif kind == "release_catalog":
                 self.blocks.release(item.held_blocks())
                 self.sampler.forget(item)

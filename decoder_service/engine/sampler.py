@@ -14,7 +14,9 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from shared.trie import SEP, STOP
+from shared.trie import SEP, STOP, control_edge_legal
+
+_control_legal = njit(cache=True)(control_edge_legal)   # the exactly-k rule (shared/trie.py)
 
 
 @njit(cache=True)
@@ -35,10 +37,7 @@ def legal_edges(node, edge_start, edge_child, edge_lo, edge_hi, emitted, n_emitt
     """Write the legal edge indices of node into out (in token order); return how many."""
     n = 0
     for e in range(edge_start[node], edge_start[node + 1]):
-        child = edge_child[e]
-        if child == SEP and n_emitted + 1 >= k:
-            continue
-        if child == STOP and n_emitted + 1 != k:
+        if not _control_legal(edge_child[e], n_emitted, k):
             continue
         if _available(edge_lo[e], edge_hi[e], emitted, n_emitted, allow, allow_all):
             out[n] = e
@@ -102,6 +101,9 @@ class HostSampler:
 
     def __init__(self, backend, head: str = "sparse"):
         self.backend, self.head = backend, head
+
+    def bind(self, catalog, constant: bool = True) -> None:
+        """Nothing to place: the host sampler reads each catalog's own trie."""
 
     def forget(self, catalog) -> None:
         """Nothing to drop: the host sampler reads each catalog's own trie."""

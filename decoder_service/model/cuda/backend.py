@@ -47,6 +47,7 @@ from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP
 from .intrinsics import MMA, SIM, TQ, WARP
 from .kernels import GEMM_KERNELS, MMA_ATTN_KERNELS
 from .matmul import GEMM_COLS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, TILE_ROWS
+from .device_trie import DeviceTrie
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 
@@ -651,6 +652,13 @@ class CudaBackend:
         ls, gs = self.l_sparse
         if N:
             ls.launch(gs, N)
+
+    def device_trie(self, *, max_k: int, max_allow: int, finish_forced: bool) -> DeviceTrie:
+        """The catalog tries on the device and the pick over them (k_mask, this backend's sparse head, k_select),
+        on this stream: k_mask writes the candidates into `cand`/`ncand`, k_select reads their logits."""
+        return DeviceTrie(stream=self.stream, cand=self.cand, ncand=self.ncand, sparse=self.sparse,
+                          launch_sparse=self.launch_sparse, rows=self.max_logit_rows, cmax=self.max_candidates,
+                          max_k=max_k, max_allow=max_allow, finish_forced=finish_forced)
 
     def capture(self, fn, gate: tuple | None = None) -> Graph:
         """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream; with

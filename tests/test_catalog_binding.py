@@ -1,0 +1,130 @@
+"""A catalog version is made resident on the device at the version switch, never inside a decode step.
+
+Under numba's CUDA simulator (the device sampler's kernels simulated, the model on the CPU backend behind the
+CUDA backend's sparse-head buffers, as in test_engine_cuda_sim.py): the CatalogManager makes version 1 the
+default, requests run, then version 2 is made the default while version 1's requests are still decoding.
+The swap binds version 2 (arena upload, constant memory) at the engine's next step; the first request on it
+then stages and picks without any upload or bind inside its steps, and every answer, before, across and after
+the swap, is bit-identical to the same requests on an engine that binds lazily (the old way: at a version's
+first sampled step) and has the host sampler's names.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+from sim_runner import run_script
+
+
+def test_a_version_is_bound_at_the_switch_not_in_the_step():
+    result = run_script(__file__, sim=True)
+    assert result["answers_identical"], result["differences"][:3]
+    assert result["names_match_host"], result["differences"][:3]
+    assert result["bound_at_switch"] == {"uploads": 1, "binds": 1}, result
+    assert result["first_request_after_swap"] == {"uploads": 0, "binds": 0, "lazy_binds": 0}, result
+    assert result["lazy_binds_without_manager"] == 2   # the old way: each version bound in a step
+    assert result["constant_owner"] == ["demo", 2]
+
+
+def main() -> None:
+    import numpy as np
+
+    from compiler_service.compiler import compile_catalog
+    from decoder_service.catalogs import CatalogManager
+    from decoder_service.engine.cuda_sampler import DeviceSampler
+    from decoder_service.engine.engine import DecodeEngine, EngineConfig
+    from decoder_service.engine.sampler import HostSampler
+    from decoder_service.engine.sequence import DoneEvent, FailedEvent
+    from decoder_service.model.config import ModelConfig
+    from decoder_service.model.cpu import CpuBackend
+    from decoder_service.model.cuda import sim_accel
+    from decoder_service.model.kv_pool import KVPoolSpec
+    from decoder_service.model.weights import load_weights
+    from model_fixtures import make_tiny_model
+    from shared.catalog import catalog_from_entries
+    from shared.tokenizer import ModelTokenizer
+    from test_engine_cuda_sim import CpuModelDeviceHead
+    from tokenizer_fixtures import catalog_path, make_tokenizer_dir
+    sim_accel.install()
+    tmp = Path(tempfile.mkdtemp())
+    tok = ModelTokenizer(make_tokenizer_dir(tmp / "tok"))
+    model = make_tiny_model(tmp, "llama", "float32", tied=True, seed=2,
+                            config_overrides={"vocab_size": tok.tokenizer.get_vocab_size(),
+                                              "max_position_embeddings": 4096})
+    cfg = ModelConfig.from_dir(model)
+    spec = KVPoolSpec(512, 16)
+    backend = CpuModelDeviceHead(CpuBackend(cfg, load_weights(model, cfg, "float32"), spec), max_logit_rows=16,
+                                 max_candidates=128)
+    tools = json.loads(catalog_path("metatool").read_text())
+    tries = {1: compile_catalog(catalog_from_entries(tools[:30]), tok),
+             2: compile_catalog(catalog_from_entries(tools[10:45]), tok)}
+    for version, trie in tries.items():
+        trie.meta.update(name="demo", version=version)
+    before = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3)]
+    after = [("find a recipe", 2), ("weather in paris", 1), ("news about stocks", 2)]
+
+    def engine_with(sampler):
+        engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
+                              EngineConfig(fusion_weight=0.7))
+        engine.sampler = sampler(backend)
+        return engine
+
+    def answers(seqs):
+        out = []
+        for seq in seqs:
+            events = list(seq)
+            out.append(events[-1].message if isinstance(events[-1], FailedEvent) else
+                       [(e.name, np.float64(e.logprob).tobytes().hex())
+                        for e in events if not isinstance(e, DoneEvent)])
+        return out
+
+    def serve(sampler, managed: bool):
+        """v1 requests, the swap to v2 while they decode, v2 requests; counters around the swap's first
+        request. Managed: through CatalogManager.make_default (the binding hook); else the runtimes are used
+        directly and the sampler binds each version at its first step."""
+        engine = engine_with(sampler)
+        runtimes = {v: engine.load_catalog(t) for v, t in tries.items()}
+        engine.run_until_idle()
+        manager = CatalogManager(None, engine)   # no store: load() returns the warmed runtimes
+        manager.load = lambda name, version, superseded=None: runtimes[version]
+        pick = (lambda: manager.acquire("demo")) if managed else None
+        if managed:
+            manager.wanted["demo"] = 1   # as announce() records it
+            manager.make_default("demo", 1)
+        first = [engine.submit(pick() if managed else runtimes[1], intent, k) for intent, k in before]
+        for _ in range(3):   # version 1's requests are mid-answer at the swap
+            engine.step()
+        trie = getattr(engine.sampler, "trie", None)
+        counts = lambda: {"uploads": trie.uploads, "binds": trie.epoch} if trie else {}  # noqa: E731
+        start = counts()
+        if managed:
+            manager.wanted["demo"] = 2
+            manager.make_default("demo", 2)
+            engine.step()   # the next step drains the bind
+        at_switch = {k: v - start[k] for k, v in counts().items()} if trie else {}
+        start, lazy = counts(), getattr(engine.sampler, "lazy_binds", 0)
+        second = [engine.submit(pick() if managed else runtimes[2], *after[0])]
+        engine.run_until_idle()
+        first_after = {**{k: v - start[k] for k, v in counts().items()},
+                       "lazy_binds": getattr(engine.sampler, "lazy_binds", 0) - lazy} if trie else {}
+        second += [engine.submit(pick() if managed else runtimes[2], intent, k) for intent, k in after[1:]]
+        engine.run_until_idle()
+        owner = list(trie.constant.owner) if trie else None
+        return answers(first + second), at_switch, first_after, getattr(engine.sampler, "lazy_binds", 0), owner
+
+    host, *_ = serve(lambda be: HostSampler(be), managed=False)
+    lazy, _, _, lazy_binds, _ = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=False)
+    bound, at_switch, first_after, _, owner = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=True)
+    differences = [f"{a} vs {b}" for a, b in zip(lazy, bound) if a != b]
+    names = lambda ans: [[n for n, _ in a] if isinstance(a, list) else a for a in ans]  # noqa: E731
+    differences += [f"host {a} vs {b}" for a, b in zip(names(host), names(bound)) if a != b]
+    print("RESULT " + json.dumps({
+        "answers_identical": lazy == bound and all(isinstance(a, list) for a in bound),
+        "names_match_host": names(host) == names(bound), "differences": differences,
+        "bound_at_switch": at_switch, "first_request_after_swap": first_after,
+        "lazy_binds_without_manager": lazy_binds, "constant_owner": owner}))
+
+
+if __name__ == "__main__":
+    main()
