@@ -148,6 +148,19 @@ def sized_backend(cfg: ModelConfig, max_rows: int, max_position: int, spare: int
     return be, per_seq
 
 
+def relaunch(lz, kernel=None, block: int | None = None, shmem: int | None = None, **changed):
+    """A backend's Launch packed again (its stream and name) on `kernel`, with `block` threads and `shmem` bytes
+    of dynamic shared memory where given, the arguments named in `changed` set (k_gemv's pf, k_attn_rows'
+    maxs, ...)."""
+    from decoder_service.model.cuda.launcher import Launch
+    args = dict(zip(lz.kernel.params, lz.args))
+    unknown = changed.keys() - args.keys()
+    if unknown:
+        raise TypeError(f"{lz.kernel.name} has no parameters {sorted(unknown)}")
+    return Launch(kernel or lz.kernel, block or lz.block, lz.shmem if shmem is None else shmem, {**args, **changed},
+                  lz.stream, lz.name)
+
+
 # ------------------------------------------------------------------------------------------ timing
 class Timer:
     """Median CUDA-event time of a graph captured on a CudaBackend's stream."""

@@ -34,27 +34,17 @@ import dataclasses
 
 import numpy as np
 
-from bench.common import (MODELS, Timer, case_batch, ints, parse_case, rand_bf16, random_weights, shape_config,
-                          sized_backend)
+from bench.common import (MODELS, Timer, case_batch, ints, parse_case, rand_bf16, random_weights, relaunch,
+                          shape_config, sized_backend)
 from decoder_service.model.batch import StepBatch
 
 KINDS = ("qkv", "rope", "attn", "o", "gate_up", "down")
 
 
-def relaunched(be, key: str, kernel=None, arg: int | None = None, value=None) -> list:
-    """The layers' `key` launches packed again (same block, shared memory, stream), on `kernel` (None:
-    theirs) and with argument `arg` set to `value` (None: unchanged)."""
-    from decoder_service.model.cuda.launcher import Launch
-    out = []
-    for layer in be.layers:
-        a = layer[key]
-        args = list(a.args)
-        if arg is not None:
-            args[arg] = value
-        k = kernel or a.kernel
-        k.allow_dynamic_shared(a.shmem)
-        out.append(Launch(k, a.block, a.shmem, args, be.stream.handle, a.name))
-    return out
+def relaunched(be, key: str, kernel=None, **changed) -> list:
+    """The layers' `key` launches packed again, on `kernel` (None: theirs), the arguments named in `changed`
+    set."""
+    return [relaunch(layer[key], kernel, **changed) for layer in be.layers]
 
 
 def profile(be, timer, batch: StepBatch) -> dict:
@@ -176,8 +166,7 @@ def kernel_variants(be, regs_list: list[int], splits: list[int], row_splits: lis
         return lambda batch: staged(be, batch, "rows", row_splits=maxs)
     rows = [layer["attn_rows"] for layer in be.layers]
     out = [("k_attn_rows (a block per row, head, split)", rows, rows_grid(None))]
-    maxs = len(rows[0].args) - 1    # k_attn_rows' last argument: at most this many splits a row
-    out += [(f"k_attn_rows, at most {m} splits", relaunched(be, "attn_rows", arg=maxs, value=m), rows_grid(m))
+    out += [(f"k_attn_rows, at most {m} splits", relaunched(be, "attn_rows", maxs=m), rows_grid(m))
             for m in row_splits]
     for regs in regs_list:
         launches = attention_launches(be, regs)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import MODELS, ROOT, Timer, copy_bandwidth, random_weights, shape_config
+from bench.common import MODELS, ROOT, Timer, copy_bandwidth, random_weights, relaunch, shape_config
 from decoder_service.model.batch import StepBatch
 from decoder_service.model.kv_pool import KVPoolSpec
 
@@ -44,7 +44,7 @@ def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
     from numba import cuda
 
     from decoder_service.model.cuda.backend import WARP, CudaBackend
-    from decoder_service.model.cuda.launcher import Launch, check, dptr
+    from decoder_service.model.cuda.launcher import check, dptr
 
     cfg = shape_config(name)
     w = random_weights(cfg, seed=11)
@@ -85,10 +85,10 @@ def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
     scratch_o = cuda.device_array(fl_rows, np.float32)
     scratch_x = cuda.device_array(fl_k, np.float32)
     check(drv.cuMemsetD32Async(dptr(scratch_x), 0x3F800000, fl_k, be.stream.handle))
-    fl = Launch(be.kernels["k_gemv"], 256, fl_k * 4,
-                [scratch_x, fl_k, be.logit_rows, 0, scratch_x, 1e-6, 0, scratch_w, fl_k // 8, fl_k, fl_rows,
-                 scratch_x, 0, scratch_o, fl_rows, 0, 0, 64] + list(be.l_dense[0].args[18:]),  # mode 0: no RoPE
-                be.stream.handle, "flush")
+    fl = relaunch(be.l_dense[0], be.kernels["k_gemv"], 256, fl_k * 4, x=scratch_x, x_stride=fl_k,
+                  row_map=be.logit_rows, use_map=0, gamma=scratch_x, eps=1e-6, use_norm=0, W=scratch_w, Q=fl_k // 8,
+                  K=fl_k, N=fl_rows, bias=scratch_x, use_bias=0, out=scratch_o, out_stride=fl_rows, mode=0, pf=0,
+                  epl=64)   # mode 0: no RoPE (its pool arguments the dense head's, unread)
 
     def flush():
         fl.launch(be.sm_count * 4, 1)
@@ -150,11 +150,9 @@ def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
             for pf in (0, 1):
                 launches = []
                 for lz, *_ in base:
-                    args = list(lz.args)
-                    args[16] = pf
-                    nl = Launch(gemv_k, threads, lz.shmem, args, be.stream.handle, lz.name)
+                    nl = relaunch(lz, gemv_k, threads, pf=pf)
                     nw = threads // WARP
-                    need = -(-((args[10] + 1) // 2) // nw)
+                    need = -(-((lz.args[lz.kernel.params.index("N")] + 1) // 2) // nw)
                     launches.append((nl, max(1, min(need, be.sm_count * gemv_k.occupancy(threads, lz.shmem)))))
 
                 def body(launches=launches):
@@ -225,7 +223,7 @@ def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
 def long_context(be, cfg, tm, flush, t_flush, rng, n_prompt=1023):
     """A 1023-token prompt prefilled in chunks of 256 rows, then attention and a decode at ctx 1024 (its
     logits against float64: tests/test_gpu_model.py)."""
-    from decoder_service.model.cuda.launcher import Launch, event_ms, new_event
+    from decoder_service.model.cuda.launcher import event_ms, new_event
     out = {}
     V = cfg.vocab_size
     slot_tab = np.full((1, 64), -1, np.int32)
@@ -250,9 +248,7 @@ def long_context(be, cfg, tm, flush, t_flush, rng, n_prompt=1023):
         for ly in be.layers:
             lz = ly["attn_rows"]
             if maxs is not None:
-                args = list(lz.args)
-                args[-1] = maxs
-                lz = Launch(lz.kernel, lz.block, lz.shmem, args, be.stream.handle, lz.name)
+                lz = relaunch(lz, maxs=maxs)
             gz = be.attn_grids(n_prompt + 1)[0][2] if maxs is None else 1
             calls.append(lambda lz=lz, gz=gz: lz.launch(1, nh, gz))
         msk, _ = tm.graph_ms(lambda: (flush(), [c() for c in calls]))

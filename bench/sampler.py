@@ -63,7 +63,7 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
     cand_token and count where given): (mask, select, the rows' buffers, the candidates' buffers)."""
     from numba import cuda
 
-    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda import device_trie as cs
     i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
     zeros = lambda: i32(np.zeros(rows))  # noqa: E731
     row = {"base": zeros(), "const": i32(np.full(rows, const)), "node": zeros(), "n_emitted": zeros(),
@@ -74,18 +74,18 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
             **{key: i32(np.zeros(rows * cmax)) for key in ("child", "lo", "edge", "ends")},
             "bias": cuda.to_device(np.zeros(rows * cmax, np.float32))}
     picks = {"done": zeros(), "token": zeros(), "edge": zeros(), "logprob": cuda.to_device(np.zeros(rows))}
-    mask, select = cs.sampler_launches(cs.SamplerKernels.get(), stream, i32(packed), row, 4, i32(np.zeros(1)),
+    mask, select = cs.sampler_launches(cs.TrieKernels.get(), stream, i32(packed), row, 4, i32(np.zeros(1)),
                                        cuda.to_device(np.zeros(1, np.float32)), True, cand, cmax, logits, picks)
     return mask, select, row, cand
 
 
 def cuda_sides(be, trie, rows):
     """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
-    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda import device_trie as cs
     batch = context_batch(rows)
     be.stage(batch)
     packed = cs.pack_trie(trie)
-    cs.ConstantTrie(cs.SamplerKernels.get()).bind(("metatool", 1), packed, be.stream)
+    cs.ConstantTrie(cs.TrieKernels.get()).bind(("metatool", 1), packed, be.stream)
     mask, select, row, cand = root_launches(packed, rows, 1, be.max_candidates, be.stream.handle, be.sparse, be.cand,
                                             be.ncand)
     node, status = row["node"], cand["status"]
@@ -211,12 +211,12 @@ def sampler_arguments(p) -> None:
 
 
 def sampler(args) -> None:
-    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.model.cuda import device_trie as cs
     from decoder_service.model.cuda.launcher import Stream
     trie = metatool_trie(args.tokenizer)
     packed = cs.pack_trie(trie)
     stream = Stream()
-    cs.ConstantTrie(cs.SamplerKernels.get()).bind(("metatool", 1), packed, stream)
+    cs.ConstantTrie(cs.TrieKernels.get()).bind(("metatool", 1), packed, stream)
     print(f"MetaTool trie: {trie.num_nodes} nodes, {trie.num_edges} edges, root fan-out {trie.max_fanout()}, "
           f"{len(packed) * 4} bytes packed")
     print("| rows | k_mask const µs | k_mask global µs | k_select µs |\n| --- | --- | --- | --- |")
