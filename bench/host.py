@@ -98,12 +98,12 @@ def engine_phases(args) -> None:
                              (StepBatch, "validate", "validate")):
         clock.wrap(obj, attr, phase)
     if gpu:                                 # the CUDA backend's staging, graph replay, and the wait
-        from decoder_service.engine import cuda_sampler
+        from decoder_service.model.cuda import device_trie
         from decoder_service.model.cuda.launcher import Graph
         clock.wrap(be, "stage", "stage")
         clock.wrap(Graph, "replay", "replay")
         clock.wrap(engine.sampler, "follow", "sampler")
-        clock.wrap(cuda_sampler, "event_wait_host", "wait")
+        clock.wrap(device_trie, "event_wait_host", "wait")   # DeviceTrie.read waiting for the picks
     rows = {"prefill": defaultdict(list), "decode": defaultdict(list)}
     for q in queries:
         seq = engine.submit(rt, q.intent, q.k)
