@@ -4,6 +4,7 @@ all 190 with k=2, in file order), the report, which must render the recorded H20
 written (tables and ratios come from the JSON alone), and what --merge keeps of an earlier run."""
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -29,6 +30,17 @@ def test_no_command_is_the_headline_run_and_every_command_has_its_arguments_and_
         assert callable(add_arguments) and callable(run), command
     with pytest.raises(SystemExit):
         parse_args(["step", "--no-such-option"])
+
+
+def test_bench_edits_no_import_path_and_imports_nothing_from_tests():
+    test_modules = {p.stem for p in Path(__file__).parent.glob("*.py")} | {"tests"}
+    for path in sorted((RESULTS.parent).glob("*.py")):
+        text = path.read_text()
+        assert "sys.path" not in text, path
+        for node in ast.walk(ast.parse(text)):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not [n for n in names if n.split(".")[0] in test_modules], (path, names)
 
 
 def test_metatool_queries_are_the_first_279_single_and_all_190_double_in_file_order():
