@@ -1,12 +1,12 @@
 """A catalog version is made resident on the device at the version switch, never inside a decode step.
 
 Under numba's CUDA simulator (the device sampler's kernels simulated, the model on the CPU backend behind the
-CUDA backend's sparse-head buffers, as in test_engine_cuda_sim.py): the CatalogManager makes version 1 the
-default, requests run, then version 2 is made the default while version 1's requests are still decoding.
-The swap binds version 2 (arena upload, constant memory) at the engine's next step; the first request on it
-then stages and picks without any upload or bind inside its steps, and every answer, before, across and after
-the swap, is bit-identical to the same requests on an engine that binds lazily (the old way: at a version's
-first sampled step) and has the host sampler's names.
+CUDA backend's sparse-head buffers, as in test_engine_cuda_sim.py; the `gpu` test runs the real CUDA backend):
+the CatalogManager makes version 1 the default, requests run, then version 2 is made the default while version
+1's requests are still decoding. The swap binds version 2 (arena upload, constant memory) at the engine's next
+step; the first request on it then stages and picks without any upload or bind inside its steps, and every
+answer, before, across and after the swap, is bit-identical to the same requests on an engine that binds lazily
+(the old way: at a version's first sampled step) and has the host sampler's names.
 """
 from __future__ import annotations
 
@@ -14,17 +14,30 @@ import json
 import tempfile
 from pathlib import Path
 
+import pytest
+
 from sim_runner import run_script
 
 
-def test_a_version_is_bound_at_the_switch_not_in_the_step():
-    result = run_script(__file__, sim=True)
+def check(result: dict) -> None:
     assert result["answers_identical"], result["differences"][:3]
     assert result["names_match_host"], result["differences"][:3]
     assert result["bound_at_switch"] == {"uploads": 1, "binds": 1}, result
     assert result["first_request_after_swap"] == {"uploads": 0, "binds": 0, "lazy_binds": 0}, result
     assert result["lazy_binds_without_manager"] == 2   # the old way: each version bound in a step
     assert result["constant_owner"] == ["demo", 2]
+
+
+def test_a_version_is_bound_at_the_switch_not_in_the_step():
+    check(run_script(__file__, sim=True))
+
+
+@pytest.mark.gpu
+def test_a_version_is_bound_at_the_switch_on_the_gpu():
+    from numba import cuda
+    if not cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    check(run_script(__file__, sim=False))
 
 
 def main() -> None:
@@ -37,7 +50,6 @@ def main() -> None:
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
     from decoder_service.model.config import ModelConfig
-    from decoder_service.model.cpu import CpuBackend
     from decoder_service.model.cuda import sim_accel
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
@@ -46,7 +58,7 @@ def main() -> None:
     from shared.tokenizer import ModelTokenizer
     from test_engine_cuda_sim import CpuModelDeviceHead
     from tokenizer_fixtures import catalog_path, make_tokenizer_dir
-    sim_accel.install()
+    simulated = sim_accel.install()
     tmp = Path(tempfile.mkdtemp())
     tok = ModelTokenizer(make_tokenizer_dir(tmp / "tok"))
     model = make_tiny_model(tmp, "llama", "float32", tied=True, seed=2,
@@ -54,8 +66,13 @@ def main() -> None:
                                               "max_position_embeddings": 4096})
     cfg = ModelConfig.from_dir(model)
     spec = KVPoolSpec(512, 16)
-    backend = CpuModelDeviceHead(CpuBackend(cfg, load_weights(model, cfg, "float32"), spec), max_logit_rows=16,
-                                 max_candidates=128)
+    weights = load_weights(model, cfg, "float32")
+    if simulated:
+        from decoder_service.model.cpu import CpuBackend
+        backend = CpuModelDeviceHead(CpuBackend(cfg, weights, spec), max_logit_rows=16, max_candidates=128)
+    else:
+        from decoder_service.model.cuda.backend import CudaBackend
+        backend = CudaBackend(cfg, weights, spec, max_rows=512, max_logit_rows=16, max_candidates=128)
     tools = json.loads(catalog_path("metatool").read_text())
     tries = {1: compile_catalog(catalog_from_entries(tools[:30]), tok),
              2: compile_catalog(catalog_from_entries(tools[10:45]), tok)}

@@ -239,16 +239,20 @@ class DecodeEngine:
             self._inbox.append(item)
             self._wake.notify()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> list:
+        """Take what other threads posted; the versions to bind, which the step binds once the lock is let go
+        (an upload must not hold up submit) and before it admits or plans anything."""
+        binds = []
         while self._inbox:
             kind, item = self._inbox.popleft()
             if kind == "submit":
                 self.scheduler.add(item)
             elif kind == "bind_catalog":
-                self.sampler.bind(*item)
+                binds.append(item)
             elif kind == "release_catalog":
                 self.blocks.release(item.held_blocks())
                 self.sampler.forget(item)
+        return binds
 
     def has_work(self) -> bool:
         return bool(self._inbox or self._ahead or self.scheduler.running or
@@ -262,7 +266,9 @@ class DecodeEngine:
         (stream order puts it first; the staging ring waits for its copies). Returns False when there
         was nothing to do."""
         with self._wake:
-            self._drain_inbox()
+            binds = self._drain_inbox()
+        for rt, constant in binds:
+            self.sampler.bind(rt, constant)
         now = time.monotonic()
         self._expire(now)
         for seq in self.scheduler.admit(now):
