@@ -3,10 +3,13 @@
 Under numba's CUDA simulator (the device sampler's kernels simulated, the model on the CPU backend behind the
 CUDA backend's sparse-head buffers, as in test_engine_cuda_sim.py; the `gpu` test runs the real CUDA backend):
 the CatalogManager makes version 1 the default, requests run, then version 2 is made the default while version
-1's requests are still decoding. The swap binds version 2 (arena upload, constant memory) at the engine's next
-step; the first request on it then stages and picks without any upload or bind inside its steps, and every
-answer, before, across and after the swap, is bit-identical to the same requests on an engine that binds lazily
-(the old way: at a version's first sampled step) and has the host sampler's names.
+1's requests are still decoding, a step of theirs launched ahead of its picks. The swap binds version 2 (arena
+upload, constant memory) at the engine's next step, which moves version 1 out of constant memory: the engine
+does not step ahead of picks staged before the bind (without that guard their next step reads version 2's trie
+as version 1's: a stale-trie failure). The first request on version 2 then stages and picks without any upload
+or bind inside its steps, and every answer, before, across and after the swap, is bit-identical to the same
+requests on an engine that binds lazily (the old way: at a version's first sampled step) and has the host
+sampler's names.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ def check(result: dict) -> None:
     assert result["first_request_after_swap"] == {"uploads": 0, "binds": 0, "lazy_binds": 0}, result
     assert result["lazy_binds_without_manager"] == 2   # the old way: each version bound in a step
     assert result["constant_owner"] == ["demo", 2]
+    assert result["ahead_at_swap"]   # the swap lands while a step of version 1's rows is launched ahead
 
 
 def test_a_version_is_bound_at_the_switch_not_in_the_step():
@@ -78,7 +82,7 @@ def main() -> None:
              2: compile_catalog(catalog_from_entries(tools[10:45]), tok)}
     for version, trie in tries.items():
         trie.meta.update(name="demo", version=version)
-    before = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3)]
+    before = [("weather in paris", 3), ("a podcast please", 3), ("stocks and news", 3)]
     after = [("find a recipe", 2), ("weather in paris", 1), ("news about stocks", 2)]
 
     def engine_with(sampler):
@@ -110,8 +114,11 @@ def main() -> None:
             manager.wanted["demo"] = 1   # as announce() records it
             manager.make_default("demo", 1)
         first = [engine.submit(pick() if managed else runtimes[1], intent, k) for intent, k in before]
-        for _ in range(3):   # version 1's requests are mid-answer at the swap
+        for _ in range(50):   # version 1's requests mid-answer at the swap, a step launched ahead of their picks
             engine.step()
+            if managed and engine._ahead is not None and all(s.n_emitted == 0 for s in first):
+                break   # the next step, which takes the swap, would step ahead again but for the new placement
+        ahead_at_swap = engine._ahead is not None
         trie = getattr(engine.sampler, "trie", None)
         counts = lambda: {"uploads": trie.uploads, "binds": trie.epoch} if trie else {}  # noqa: E731
         start = counts()
@@ -128,11 +135,12 @@ def main() -> None:
         second += [engine.submit(pick() if managed else runtimes[2], intent, k) for intent, k in after[1:]]
         engine.run_until_idle()
         owner = list(trie.constant.owner) if trie else None
-        return answers(first + second), at_switch, first_after, getattr(engine.sampler, "lazy_binds", 0), owner
+        return (answers(first + second), at_switch, first_after, getattr(engine.sampler, "lazy_binds", 0), owner,
+                ahead_at_swap)
 
     host, *_ = serve(lambda be: HostSampler(be), managed=False)
-    lazy, _, _, lazy_binds, _ = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=False)
-    bound, at_switch, first_after, _, owner = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=True)
+    lazy, _, _, lazy_binds, _, _ = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=False)
+    bound, at_switch, first_after, _, owner, ahead = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=True)
     differences = [f"{a} vs {b}" for a, b in zip(lazy, bound) if a != b]
     names = lambda ans: [[n for n, _ in a] if isinstance(a, list) else a for a in ans]  # noqa: E731
     differences += [f"host {a} vs {b}" for a, b in zip(names(host), names(bound)) if a != b]
@@ -140,7 +148,7 @@ def main() -> None:
         "answers_identical": lazy == bound and all(isinstance(a, list) for a in bound),
         "names_match_host": names(host) == names(bound), "differences": differences,
         "bound_at_switch": at_switch, "first_request_after_swap": first_after,
-        "lazy_binds_without_manager": lazy_binds, "constant_owner": owner}))
+        "lazy_binds_without_manager": lazy_binds, "constant_owner": owner, "ahead_at_swap": ahead}))
 
 
 if __name__ == "__main__":
