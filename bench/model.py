@@ -1,8 +1,9 @@
 """The CUDA backend at batch 1, timed kernel by kernel at real shapes with random bf16 weights: each
-kernel kind cold (L2 flushed), the one-row GEMV's block size and cache hint, whole decode steps (graph,
-raw launches, batched), a 1,023-token prompt and a decode at context 1,024, and the disk cache.
+kernel kind cold (L2 flushed), whole decode steps (graph, raw launches, batched), a 1,023-token prompt and a
+decode at context 1,024, and the disk cache. The one-row GEMV's block size and cache hint: `python -m bench
+step --option gemv_threads=128,256 --option prefetch=0,1` (warm L2, as in a step).
 
-    python3 -m bench model [--out DIR] [--models smollm2-135m,qwen3-1.7b] [--no-sweep] [--no-long]
+    python3 -m bench model [--out DIR] [--models smollm2-135m,qwen3-1.7b] [--no-long]
 
 Writes DIR/gpu_model_h200.md (the tables), DIR/log.txt (everything printed) and DIR/results.json; the
 model's correctness against float64 at these shapes is tests/test_gpu_model.py's.
@@ -38,12 +39,12 @@ def log(*a):
     LOG.append(s)
 
 
-def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
+def time_model(name: str, long: bool = True) -> dict:
     """Every table of one model shape."""
     from cuda.bindings import driver as drv
     from numba import cuda
 
-    from decoder_service.model.cuda.backend import WARP, CudaBackend
+    from decoder_service.model.cuda.backend import CudaBackend
     from decoder_service.model.cuda.launcher import check, dptr
 
     cfg = shape_config(name)
@@ -134,37 +135,6 @@ def time_model(name: str, sweep: bool = True, long: bool = True) -> dict:
         run_kind(f"sparse head, {nc} candidates", [lambda: be.l_sparse[0].launch(be.l_sparse[1], 1)],
                  nc * H * isz + 4 * H + 4 * nc, False)
     res["kernels_cold"] = rows
-
-    # ---- GEMV variants: threads per block x cache hint for a warp's first rows (0 none, 1 L2, 2 L1)
-    variants = []
-    gemv_k = be.kernels["k_gemv"]
-    for label in (("qkv (norm+GEMV)", "o_proj + residual", "gate_up + SwiGLU", "down + residual",
-                   "dense head (final-normed h)") if sweep else ()):
-        key = {"qkv (norm+GEMV)": "qkv", "o_proj + residual": "o", "gate_up + SwiGLU": "gate_up",
-               "down + residual": "down"}.get(label)
-        base = [ly[key] for ly in be.layers] if key else [be.l_dense]
-        nbytes = kinds[label][1]
-        for threads in (128, 256):
-            if gemv_k.occupancy(threads, base[0][0].shmem) < 1:
-                continue
-            for pf in (0, 1):
-                launches = []
-                for lz, *_ in base:
-                    nl = relaunch(lz, gemv_k, threads, pf=pf)
-                    nw = threads // WARP
-                    need = -(-((lz.args[lz.kernel.params.index("N")] + 1) // 2) // nw)
-                    launches.append((nl, max(1, min(need, be.sm_count * gemv_k.occupancy(threads, lz.shmem)))))
-
-                def body(launches=launches):
-                    for lz, g in launches:
-                        lz.launch(g, 1)
-                ms, _ = tm.graph_ms(lambda: (flush(), body()), reps=9)
-                us = (ms - t_flush) * 1e3 / len(launches)
-                variants.append(dict(kernel=label, threads=threads, prefetch=pf, us=us,
-                                     gbs=nbytes / (us * 1e-6) / 1e9))
-    res["gemv_variants"] = variants
-    log("  GEMV variants (threads/prefetch: us): " + "; ".join(
-        f"{v['kernel'][:8]} {v['threads']}/{v['prefetch']}: {v['us']:.1f}" for v in variants))
 
     # ---- whole decode step, batch 1
     n_launch = be.launches_per_step()
@@ -283,7 +253,6 @@ def cache_probe(storage="bfloat16"):
 def model_arguments(p) -> None:
     p.add_argument("--out", default=os.environ.get("OUT", "bench/results/out"))
     p.add_argument("--models", default="smollm2-135m,qwen3-1.7b")
-    p.add_argument("--no-sweep", action="store_true", help="without the GEMV block size and cache hint sweep")
     p.add_argument("--no-long", action="store_true", help="without the long-context rows")
 
 
@@ -305,7 +274,7 @@ def model(args) -> None:
         log(f"device-to-device cuMemcpy: {bw:.0f} GB/s (2 GiB, {ms:.2f} ms, read+write)")
         for name in args.models.split(","):
             try:
-                results[name] = time_model(name, sweep=not args.no_sweep, long=not args.no_long)
+                results[name] = time_model(name, long=not args.no_long)
             except Exception as e:  # keep going: the other model's numbers still come back
                 import traceback
                 log(f"{name}: FAILED {e!r}\n{traceback.format_exc()}")
@@ -338,15 +307,6 @@ def render(r) -> str:
         for k in m["kernels_cold"]:
             lines.append(f"| {k['kernel']}{' (GEMV)' if k['gemv'] else ''} | {k['us']:.2f} | "
                          f"{k['bytes'] / 1e6:.3f} MB | {k['gbs']:.0f} | {100 * k['gbs'] / bw:.0f}% |")
-        best = {}
-        for v in m.get("gemv_variants", []):
-            if v["kernel"] not in best or v["us"] < best[v["kernel"]]["us"]:
-                best[v["kernel"]] = v
-        if best:
-            lines += ["", "Best GEMV variant found (threads/block; prefetch 0 none, 1 L2, 2 L1):", "",
-                      "| kernel | threads | prefetch | µs | GB/s |", "| --- | --- | --- | --- | --- |"]
-            for k, v in best.items():
-                lines.append(f"| {k} | {v['threads']} | {v['prefetch']} | {v['us']:.2f} | {v['gbs']:.0f} |")
         s = m["step"]
         lines += ["", "Whole decode step:", "",
                   f"- batch 1, graph (forward + sparse head, 32 candidates): **{s['graph_sparse_us']:.0f} µs**, "
