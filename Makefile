@@ -94,7 +94,7 @@ bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 
 lint: setup
-	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests
+	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests bench
 
 clean:
 	rm -rf $(VENV) var shared/rpc/*_pb2*.py shared/rpc/*_pb2*.pyi
