@@ -12,6 +12,7 @@ Device-level entries for the engine (no allocation, no host synchronisation; cap
     stage_candidates(cand, n)    async copy of candidate lists into `cand` / `ncand`
     launch_sparse(N)             candidate logits into `sparse`
     capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
+    device_trie(...)             the catalog tries and the pick over them (device_trie.py; allocates: once)
 Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
     tokens, slots, positions [max_rows] i32; attention's row list [max_rows] and row tiles (first
     row, rows, split) [3 max_rows] i32;
