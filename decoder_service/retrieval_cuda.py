@@ -23,7 +23,7 @@ from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Str
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
-WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, kernels.WARP)
+WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, intrinsics.WARP)
 THREADS = 8 if SIM else 64   # k_best's block: two warps keep a round's reduction short
 SLICE = 64 if SIM else 1024  # tools per k_best block
 MAX_N = 64                  # longest shortlist the device path serves (longer: the host's)
@@ -128,11 +128,14 @@ class DeviceScorer:
         k, h = Kernels.get(), self.stream.handle
         self.fuse = Launch(k.fuse, WARPS * WARP, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
                                                          parts=self.parts, a=self.a, k0=self.k0, out=self.scores), h)
-        self.add = Launch(k.add, 256, 0, [self.matched_ids, self.matched_values, self.m, self.c, self.scores], h)
-        self.part = Launch(k.best, THREADS, 0, [self.scores, self.no_ids, n, SLICE, self.top, self.part_scores,
-                                                self.part_ids], h)
-        self.merge = Launch(k.best, THREADS, 0, [self.part_scores, self.part_ids, self.merged, self.merged, self.top,
-                                                 self.best_scores, self.best_ids], h)
+        self.add = Launch(k.add, 256, 0, dict(ids=self.matched_ids, values=self.matched_values, m=self.m, c=self.c,
+                                              out=self.scores), h)
+        self.part = Launch(k.best, THREADS, 0, dict(scores=self.scores, ids=self.no_ids, n=n, slice_len=SLICE,
+                                                    top=self.top, out_scores=self.part_scores,
+                                                    out_ids=self.part_ids), h)
+        self.merge = Launch(k.best, THREADS, 0, dict(scores=self.part_scores, ids=self.part_ids, n=self.merged,
+                                                     slice_len=self.merged, top=self.top, out_scores=self.best_scores,
+                                                     out_ids=self.best_ids), h)
         self.lock = threading.Lock()
 
     def shortlist(self, queries: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,

@@ -57,6 +57,8 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     from numba import cuda
 
     from decoder_service.model.cuda import kernels as K
+    from decoder_service.model.cuda.intrinsics import MMA
+    from decoder_service.model.cuda.matmul import GEMM_COLS, GEMM_ROWS
     from decoder_service.model.weights import bf16_to_f32
     Kp = -(-K_ // 8) * 8
     rows = first + M + 2
@@ -76,8 +78,8 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
 
     def run(lo):
         out = cuda.to_device(init.reshape(-1))
-        grid = (-(-N // K.GEMM_COLS), -(-(end - lo) // K.GEMM_ROWS))
-        K.KERNELS[K.GEMM_KERNELS[warps]][grid, warps * K.MMA](
+        grid = (-(-N // GEMM_COLS), -(-(end - lo) // GEMM_ROWS))
+        K.KERNELS[K.GEMM_KERNELS[warps]][grid, warps * MMA](
             d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp), i32(K_), i32(N), d_b, i32(use_bias),
             out, i32(width), i32(mode), i32(lo), i32(end))
         return out.copy_to_host().reshape(rows, width)
@@ -129,7 +131,7 @@ if __name__ == "__main__":
     import tempfile
     from pathlib import Path
 
-    from decoder_service.model.cuda.kernels import SIM
+    from decoder_service.model.cuda.intrinsics import SIM
     from model_fixtures import backend_refusals
     shapes = RAGGED if SIM else RAGGED + SMOLLM2
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,7 +28,7 @@ import numpy as np
 
 from decoder_service.model.config import ModelError
 from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.kernels import SIM, WARP, block_max, block_sum, ldf
+from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ldf
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda  # noqa: E402
@@ -320,15 +320,18 @@ class CudaEncoder:
         H, I, nh, eps = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.layer_norm_eps
         k = {name: Kernel(name, dispatcher=f, argtypes=a) for name, (f, a) in _signatures().items()}
         M = self.rows
-        self.l_embed = Launch(k["encoder.k_embed"], ROW_THREADS, 0, [self.meta, M, self.word, self.pos, self.type0,
-                                                             *self.emb_norm, eps, H, self.x], st)
-        self.l_pool = Launch(k["encoder.k_pool"], ROW_THREADS, 0, [self.x, self.meta, M, H, self.emb], st)
+        gamma, beta = self.emb_norm
+        self.l_embed = Launch(k["encoder.k_embed"], ROW_THREADS, 0,
+                              dict(meta=self.meta, M=M, word=self.word, pos=self.pos, type0=self.type0, gamma=gamma,
+                                   beta=beta, eps=eps, H=H, out=self.x), st)
+        self.l_pool = Launch(k["encoder.k_pool"], ROW_THREADS, 0,
+                             dict(x=self.x, meta=self.meta, M=M, H=H, out=self.emb), st)
         self.layers = []
         for layer in range(cfg.num_layers):
             def gemm(name, a, out, K, N, mode, res):
                 w, b = self.mats[name]
-                args = [a, w[layer * K * N:(layer + 1) * K * N], b[layer * N:(layer + 1) * N], res, out, M, K, N,
-                        mode]
+                args = dict(a=a, W=w[layer * K * N:(layer + 1) * K * N], bias=b[layer * N:(layer + 1) * N], res=res,
+                            out=out, M=M, K=K, N=N, mode=mode)
                 groups = min(K // SEG, SEG_THREADS)
                 return (Launch(k["encoder.k_gemm_tile"], TT * TT, 0, args, st, f"{name}/tile"),
                         Launch(k["encoder.k_gemm_seg"], COLS * groups, 0, args, st, f"{name}/seg"), N)
@@ -336,10 +339,12 @@ class CudaEncoder:
             def norm(name, x, out):
                 g, b = self.norms[name]
                 return Launch(k["encoder.k_layernorm"], ROW_THREADS, 0,
-                              [x, g[layer * H:(layer + 1) * H], b[layer * H:(layer + 1) * H], eps, H, out], st)
+                              dict(x=x, gamma=g[layer * H:(layer + 1) * H], beta=b[layer * H:(layer + 1) * H], eps=eps,
+                                   H=H, out=out), st)
 
             attn = Launch(k["encoder.k_attention"], ATTN_THREADS, 0,
-                          [self.qkv, self.meta, M, nh, cfg.head_dim, 1.0 / math.sqrt(cfg.head_dim), self.ctx], st)
+                          dict(qkv=self.qkv, meta=self.meta, M=M, nh=nh, hd=cfg.head_dim,
+                               scale=1.0 / math.sqrt(cfg.head_dim), out=self.ctx), st)
             self.layers.append([gemm("qkv", self.x, self.qkv, H, 3 * H, MODE_PLAIN, self.x), ("attn", attn),
                                 gemm("o", self.ctx, self.y, H, H, MODE_RESIDUAL, self.x), norm("attn", self.y, self.x),
                                 gemm("w1", self.x, self.inter, H, I, MODE_GELU, self.x),

@@ -20,8 +20,3 @@ def signatures(storage: str) -> dict:
     sigs = {name: sig(t) for family in FAMILIES for name, sig in family.SIGNATURES.items()}
     return {name: sig for name, sig in sigs.items() if sig is not None}
 
-
-# Re-exported for importers not yet moved to the family modules: decoder_service/encoder/cuda.py (SIM, WARP,
-# block_max, block_sum, ldf) and tests/test_gemm.py (SIM, MMA, GEMM_COLS, GEMM_ROWS).
-from .intrinsics import MMA, SIM, WARP, block_max, block_sum, ldf  # noqa: E402,F401
-from .matmul import GEMM_COLS, GEMM_ROWS  # noqa: E402,F401
