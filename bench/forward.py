@@ -15,10 +15,10 @@ shape of a tooltrie request: the catalog prefix is cached, the query suffix is p
 sequences each decode one row at position P (the all-at-once shape). For each kind of launch, a graph
 of that launch for every layer is replayed (warm L2, as in a real step) and its median CUDA-event time
 is divided by the layers; the last column is the whole forward pass. With --option NAME=V1,V2, every
-case again on a backend of its own per value of that constructor option (perf log g1: k_gemm's warps,
+case again on a backend of its own per value of that constructor option (P68, P69, P70: k_gemm's warps,
 the one-row GEMVs' block size). With --attention-regs / --attention-splits / --row-splits, only
 attention, compiled under each register cap or with each split size (k_attn_rows: each most splits a
-row), on random K/V, against a float64 attention (perf log b6, a1, d2).
+row), on random K/V, against a float64 attention (P18, P20, P40).
 
 kernel-profile: each case runs once unprofiled (compiles, warms L2) and once between cudaProfilerStart
 and Stop, launch by launch (no graph), so that ncu's per-kernel durations add up to the step's device

@@ -13,8 +13,8 @@ wrappers; a step's host time is its wall clock less that wait. Prefill and decod
 apart (µs, the mean over the steps: an answer's last step also completes it).
 
 host-step: before a step's first launch the host plans it, builds its block tables, checks the batch and
-plans the CUDA backend's attention (which rows go to which kernel). Where the engine steps ahead (perf
-log h3: the same rows one token further) that overlaps the step before on the device; elsewhere (a
+plans the CUDA backend's attention (which rows go to which kernel). Where the engine steps ahead (P54:
+the same rows one token further) that overlaps the step before on the device; elsewhere (a
 request's first step, a step after the batch changed) every microsecond here is one of wall clock. R
 MetaTool requests are prefilled through a backend that computes nothing (its sparse head returns zeros:
 every row takes its first legal token), then, with all R decoding, the median host time of the step's
@@ -167,7 +167,7 @@ def host_step_arguments(p) -> None:
 def host_step(args) -> None:
     from decoder_service.model.cuda.backend import MMA_SPLIT, MQ, TP, attention_plan
     # CudaBackend's prompt-tile plan for SmolLM2 (9 query heads on 3 KV heads: MQ // 3 rows a tile) on the
-    # H200, where CudaBackend._most_splits gives 10 (perf log s1)
+    # H200, where CudaBackend._most_splits gives 10 (P63)
     smollm2_tiles = (MQ // 3, MMA_SPLIT, 10, TP)
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
     trie, queries = load_workload("metatool", tok)

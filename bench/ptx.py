@@ -11,11 +11,12 @@ caps here (a cap is a launch-time JIT option) unless --max-registers N gives ptx
 k_attn_rows runs: its spills). With --against, the same kernels are compiled from the other checkout
 (its resources printed too) and compared: "identical" (the same PTX, names aside), "same
 instructions" (the same instructions in another order or with other register numbers), or
-"different". The perf log's "PTX unchanged" claims come from this. With --sass, `cuobjdump -sass`
-(the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the machine
-instructions: in all, and in the body of each loop of 60 or more (perf log m5, m6: numba's 64-bit
-index arithmetic shows up here), and where the PDL wait and trigger landed (perf log w1: ptxas moves
-loads across the wait, and whatever it puts between the two delays the next kernel's launch).
+"different". The bit-identical rows of docs/performance.md (e.g. P37, P46) come from this. With --sass,
+`cuobjdump -sass` (the `nvidia-cuda-cuobjdump` and `nvidia-cuda-nvdisasm` wheels, or a toolkit) counts the
+machine instructions: in all, and in the body of each loop of 60 or more (P42, P44: numba's 64-bit index
+arithmetic shows up here; docs/gpu.md#what-numbas-code-generation-adds), and where the PDL wait and trigger
+landed (P66, docs/gpu.md#programmatic-dependent-launch-pdl: ptxas moves loads across the wait, and whatever
+it puts between the two delays the next kernel's launch).
 """
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def sass_summary(listing: str) -> str:
                 loops.append(str(size))
     ops = [op for _, op in ins]
     pdl = ""
-    if "ACQBULK" in ops and "PREEXIT" in ops:      # griddepcontrol.wait and .launch_dependents (perf log w1)
+    if "ACQBULK" in ops and "PREEXIT" in ops:      # griddepcontrol.wait and .launch_dependents (P66)
         wait = ops.index("ACQBULK")
         loads = sum(any(w.startswith("LDG") for w in op.split()[:2]) for op in ops[:wait])   # [@P] LDG...
         pdl = f"; PDL trigger {ops.index('PREEXIT') - wait:+d} instructions after the wait, {loads} loads before it"

@@ -22,7 +22,7 @@ random weights) it measures, in this order:
                 compared bit for bit with the same query run alone
 Writes bench/results/bench_<device>.json, .md and .png; the markdown table is printed last. With
 --count-graphs (GPU) it also prints how many decode graphs CudaBackend.forward captured for how many
-distinct keys (`graph_key`): captures above the keys are graphs evicted and captured again (perf log g2).
+distinct keys (`graph_key`): captures above the keys are graphs evicted and captured again (P72).
 """
 from __future__ import annotations
 
@@ -244,7 +244,7 @@ def kept_workloads(earlier: dict | None, measured: dict) -> dict:
 
 
 def count_graphs():
-    """Counts CudaBackend.forward's graph captures and distinct keys from now on (perf log g2: gated and
+    """Counts CudaBackend.forward's graph captures and distinct keys from now on (P72: gated and
     ungated steps of one shape are two graphs); returns the report line's maker."""
     from decoder_service.model.cuda.backend import CudaBackend
     keys, captures, held, inside = set(), [0], [0], [False]

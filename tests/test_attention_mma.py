@@ -11,7 +11,7 @@ two longer ones, in tiles of their own (and a backend asked for no splits, or mo
 refuses). The attention output of the last layer must match float64 attention over the same q and pool
 to the level of q and the weights P as bf16 hi + lo (< 3e-5; the FMA kernel's is ~3e-7, bf16 operands
 alone ~3e-3), and a row's output must keep its bits when the chunk is cut elsewhere (its tile mates
-change). On a GPU the `gpu`-marked test runs the same, and `bench/step_profile.py --attention-regs 0`
+change). On a GPU the `gpu`-marked test runs the same, and `python -m bench step --attention-regs 0`
 measures it at SmolLM2's shape.
 """
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _assert(result: dict, gpu: bool = False) -> None:
         assert r["rel"] < TOLERANCE, (arch, r)
         assert r["cut_invariant"], (arch, r)
     for name in ("llama", "qwen3", *wide):   # the split rule's wave fits every row's context in TP splits
-        assert result[name]["splits"] == [1], (name, result[name])   # (k_attn_mma_wide's 65 KB: perf log q1)
+        assert result[name]["splits"] == [1], (name, result[name])   # (k_attn_mma_wide's 65 KB: P74)
     assert result["llama, at most 3 splits"]["splits"] == [1, 2]
 
 

@@ -1,4 +1,4 @@
-"""TOOLTRIE_CARVEOUT, the launcher's A/B setting for the kernels' shared-memory carveout (perf log c1):
+"""TOOLTRIE_CARVEOUT, the launcher's A/B setting for the kernels' shared-memory carveout (P52):
 what it accepts, and the error a mistyped value gets before any kernel is loaded."""
 from __future__ import annotations
 

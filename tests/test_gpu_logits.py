@@ -1,5 +1,6 @@
 """The forward pass's fingerprint on the H200: sha256 of the dense logits of four fixed batches, against the
-hashes recorded in the perf log (skipped without a GPU; printed, not compared, on another GPU).
+hashes recorded in docs/performance.md#recorded-fingerprints (skipped without a GPU; printed, not compared,
+on another GPU).
 
 Random bf16 weights (seed 1) at the SmolLM2 and Qwen3-1.7B shapes (the cases' positions SmolLM2's; Qwen3's
 head_dim 128 takes the wide attention kernels), random K/V in the pool (seed 5), and every row of each batch
@@ -19,7 +20,8 @@ from sim_runner import run_script
 pytestmark = pytest.mark.gpu
 PREFIX = 4955   # MetaTool's catalog prefix with SmolLM2's tokenizer
 CASES = [("prefill", 71, PREFIX), ("prefill", 96, 20), ("prefill", 3, PREFIX + 100), ("decode", 3, PREFIX)]
-# Recorded on d0c8554 (perf log, stop 25: "the same four hashes on both"), the H200, in CASES' order.
+# Recorded on d0c8554, the H200, in CASES' order (docs/performance.md#recorded-fingerprints; SmolLM2's the
+# same four on both trees of P75/P76's A/B).
 RECORDED = {
     "smollm2-135m": ["c8c42c9a937800e4", "78e4653001b7198a", "4ffede6e2190458b", "21155122e7e4f6d6"],
     "qwen3-1.7b": ["bbd4c6e14b36414d", "b1e671a94f351aaf", "2f5a3e8eb8c93319", "373e866e18117100"],

@@ -313,7 +313,7 @@ class DecodeEngine:
         request could be admitted instead), every row is still live, and some row cannot stop at this
         step (a step behind rows that all end is device time the next request waits for). A row whose pick
         enters a forced last name (finish_forced) ends too; refusing for those cost more than the step
-        it saves (perf log f2, f3)."""
+        it saves (P58, P60)."""
         return (self.config.step_ahead and self.sampler.next_tokens(launched.picks) is not None and not self._inbox
                 and not (self.scheduler.waiting and self.scheduler.free_slots)
                 and len(launched.sampling) == len(self.scheduler.running)

@@ -92,7 +92,7 @@ class StepBatch:
 def _first_fault(tokens, slots, positions, block_tables, logit_rows, block_size, num_blocks, vocab_size):
     """(what is wrong, the slot it concerns) for the first fault found, or (0, 0): one compiled pass,
     since every step pays for it before the device has work (numpy's dozen calls took 0.1–0.2 ms on
-    the H200's host: perf log n1). Every position 0..max of each slot used must map to a valid block, and no two rows
+    the H200's host: P61). Every position 0..max of each slot used must map to a valid block, and no two rows
     may write the same (slot, position)."""
     for t in tokens:
         if t < 0 or t >= vocab_size:

@@ -17,17 +17,17 @@ from .intrinsics import (
 from .matmul import mma_chunk
 
 MAX_SPLITS = 64         # attention: at most this many context splits per query
-ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) (its perf log b6 setting)
+ROW_SPLITS = 32         # k_attn_rows: at most this many splits per (row, head) (P12; 64 rejected: P27)
 MAX_TILE = 256          # k_attn_rows: tile (= its block size) upper bound; static shared array size
-ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (perf_log.md, b6)
+ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM (P18)
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
-MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds, a kernel each (registers, shared sizes; perf log m3, q1)
-MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (perf log m2)
+MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds, a kernel each (registers, shared sizes; P36, P74)
+MMA_SPLIT = 256               # k_attn_mma: default split (positions) of a prompt row's context (P35; long ones: P63)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_WARPS = 4                 # k_attn_mma: warps per block, each every ATT_WARPS-th 16-position block
 MMA_ATTN_REGISTERS = {64: 168, 128: 255}   # k_attn_mma's register caps: at 64, three 128-thread blocks an SM,
-                                           # no spills (perf log m5); at 128, none below the hardware's (q1)
+                                           # no spills (P42); at 128, none below the hardware's (P74)
 # Attention tiles (k_attn_tiles): a block holds up to QB queries (consecutive rows of one sequence x the query
 # heads of one KV head); TQ threads own a query (its max and sum are TQ-lane xor trees, so a query's
 # lanes sit in one warp), each scoring PPT positions of a TP-position K/V tile held in shared memory.
@@ -45,7 +45,7 @@ def _attn(t):
 
 @cuda.jit(device=True, inline="always")
 def qk8(s, qs, c, k):
-    """s + q[c:c+8] . k, in ascending order (unsigned indices: no negative-index wraparound code)."""
+    """s + q[c:c+8] . k, in ascending order (unsigned indices: no negative-index wraparound code: P42)."""
     i = np.uint32(c)
     s += qs[i] * k[0]
     s += qs[i + 1] * k[1]
@@ -121,7 +121,7 @@ def v_stride(hd):
 
 @cuda.jit(device=True, inline="always")
 def st8(sh, i, v):
-    """sh[i:i+8] = the 8-tuple v (unsigned indices: no negative-index wraparound code)."""
+    """sh[i:i+8] = the 8-tuple v (unsigned indices: no negative-index wraparound code: P42)."""
     sh[np.uint64(i)] = v[0]
     sh[np.uint64(i + 1)] = v[1]
     sh[np.uint64(i + 2)] = v[2]
@@ -292,7 +292,7 @@ def merge_splits(sh, wo, lo, part, counters, flag, positions, out, out_stride, r
     """The end of a prompt-attention block (128 threads: TQ lanes per query qi) whose split partials
     (max, sum, acc) are in `part` (query qi's from rb): the (tile, KV head)'s last block to finish
     merges each query's splits into `out`. Shared scratch: weights at sh[wo + qi * maxs + k], sums at
-    sh[lo + qi]. Index arithmetic in unsigned 32 bits where it divides (perf log m5)."""
+    sh[lo + qi]. Index arithmetic in unsigned 32 bits where it divides (P42)."""
     stride = hd + 2
     cuda.threadfence()
     cuda.syncthreads()
@@ -608,7 +608,8 @@ def att_block(kw, vv, qw, vt, acc, m_a, m_b, l_a, l_b, pb, n_a, n_b, nch, nj, vw
     S = q K^T by mma, positions at or past a row's n (n_a for row g, n_b for row g + 8) masked, the
     online-softmax step of (m, l) and acc, then P (hi + lo) V by mma with V staged in this warp's V^T
     (from word vw of vt). Returns the new (m_a, m_b, l_a, l_b). Shared-memory indices are unsigned:
-    numba wraps signed ones around for negative values (instructions in every access)."""
+    numba wraps signed ones around for negative values (instructions in every access: P42,
+    docs/gpu.md#what-numbas-code-generation-adds)."""
     ninf = np.float32(-math.inf)
     s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = np.float32(0.0)
     for c in range(hdm // 32):

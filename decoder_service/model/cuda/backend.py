@@ -59,7 +59,7 @@ from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 3), np.int32)
-PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (perf log s1)
+PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (P63)
 
 
 def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int, rows_per_tile: int, split: int,
@@ -82,9 +82,10 @@ def attention_plan(batch: StepBatch, max_ctx: int, tile_from: int, rows_per_tile
 def prompt_split(n, split, most_splits, unit):
     """The positions a split of a prompt row's context of n positions holds: `split`, or where that
     would cut the context into more than most_splits, the least multiple of `unit` that does not (a
-    row's tile attention runs one block per split: fewer, longer blocks fit one wave of the GPU; perf
-    log s1). A function of the row's position alone, so a row computes the same bits in any batch or
-    chunk. (`unit` is an argument, not kernels.TP: numba's disk cache keeps a global's value.)"""
+    row's tile attention runs one block per split: fewer, longer blocks fit one wave of the GPU;
+    P63). A function of the row's position alone, so a row computes the same bits in any batch or
+    chunk. (`unit` is an argument, not kernels.TP: numba's disk cache keeps a global's value:
+    P63, docs/gpu.md#what-numbas-code-generation-adds.)"""
     return max(split, -(-n // (unit * most_splits)) * unit)
 
 
@@ -119,7 +120,7 @@ def compile_step_helpers(block_size: int, num_blocks: int, vocab_size: int, rows
                          most_splits: int) -> None:
     """Compile a step's host helpers (StepBatch.validate's check, attention_plan's tile search: numba,
     cached on disk) for the argument types a step passes them, now: on a cold cache they take ~2 s, which
-    the first step, a catalog's warm-up, would otherwise wait for (perf log g3)."""
+    the first step, a catalog's warm-up, would otherwise wait for (P73)."""
     batch = StepBatch.from_chunks([(0, [0, 0], 0)], np.zeros((1, 1), np.int32))
     batch.validate(block_size, num_blocks, vocab_size)
     attention_plan(batch, 2, 0, rows_per_tile, split, most_splits, TP)
@@ -173,8 +174,8 @@ class CudaBackend:
         self.max_table = max_table or max(64 * 64, 8 * max(1, -(-cfg.max_position_embeddings // kv_spec.block_size)))
         self.dqkv = cfg.q_size + 2 * cfg.kv_size
         self.kp_h, self.kp_q, self.kp_i = _round8(H), _round8(cfg.q_size), _round8(I)
-        self.prefetch = int(prefetch)            # weight cache hints: 0 none, 1 L2 (perf log m6), 2 L1
-        self.gemv_threads = gemv_threads         # None: by matrix size (perf_log.md, run 2)
+        self.prefetch = int(prefetch)            # weight cache hints: 0 none, 1 L2 (P44), 2 L1
+        self.gemv_threads = gemv_threads         # None: by matrix size (P04)
         # forward() replays a captured graph for steps of up to graph_rows decode rows (one per shape
         # of launch: rows, logit rows, table stride, attention grid; at most max_graphs kept)
         self.graph_rows, self.max_graphs = int(graph_rows), int(max_graphs)
@@ -206,7 +207,7 @@ class CudaBackend:
         if hd > 2 * self.t_attn:
             raise ModelError(f"cuda backend: head_dim={hd} > {2 * self.t_attn}")
         # Prompt rows of a bf16 model (head_dim <= 128) attend in tiles on the tensor cores (k_attn_mma, or
-        # k_attn_mma_wide above head_dim 64; MQ queries a tile; perf log m2, q1), others in k_attn_tiles (QB)
+        # k_attn_mma_wide above head_dim 64; MQ queries a tile; P35, P74), others in k_attn_tiles (QB)
         mma_bound = min((b for b in MMA_ATTN_KERNELS if hd <= b), default=None)
         self.mma_attn = self.storage == "bfloat16" and mma_bound is not None
         self.tiles_kernel = MMA_ATTN_KERNELS[mma_bound] if self.mma_attn else "k_attn_tiles"
@@ -218,7 +219,7 @@ class CudaBackend:
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
-        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 4 (perf log m2)
+        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 4 (P35)
         self.attn_split = max(MMA_SPLIT if self.mma_attn else TP, limit) if attn_split is None else int(attn_split)
         if self.attn_split % TP or self.attn_split < TP:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
@@ -229,10 +230,10 @@ class CudaBackend:
         self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
         # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
         # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
-        # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (perf log r3, r4).
+        # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (P31, P32).
         self.fused_rope = not cfg.qk_norm
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
-        # sums; perf log m1); decode rows, and every row of other storage dtypes, the GEMVs.
+        # sums; P33); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = self.storage == "bfloat16"
         if gemm_warps is not None and gemm_warps not in GEMM_KERNELS:
             raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be "
@@ -353,8 +354,8 @@ class CudaBackend:
 
     def _most_splits(self) -> int:
         """The most splits a prompt row's context is cut into: on k_attn_mma as many as let a prompt of
-        PROMPT_ROWS rows (tiles x KV heads x splits blocks) run in one wave of resident blocks (perf log
-        s1). k_attn_tiles (not measured with it) and the simulator (its tests merge many splits) keep
+        PROMPT_ROWS rows (tiles x KV heads x splits blocks) run in one wave of resident blocks
+        (P63). k_attn_tiles (not measured with it) and the simulator (its tests merge many splits) keep
         attn_split at every context."""
         if SIM or not self.mma_attn:
             return MAX_SPLITS
@@ -384,7 +385,7 @@ class CudaBackend:
 
     def _gemv_threads(self, n_rows: int, kp: int) -> int:
         """Threads per block of one matrix (fixed per matrix: its norm tree depends on it). Measured on
-        the H200 (run 2): 128 wins below ~12 MB (more blocks in flight), 256 above."""
+        the H200 (P04): 128 wins below ~12 MB (more blocks in flight), 256 above."""
         if SIM:
             return self.t_gemv
         if self.gemv_threads:
@@ -394,7 +395,7 @@ class CudaBackend:
     def _gemm_warps(self, kp: int) -> int:
         """k_gemm's warps a block for a matrix kp columns wide (fixed per model: a row's bits): k_gemm_wide's
         where K is long enough that each of k_gemm's warps would chain more than 8 chunks (SmolLM2's down
-        projection: 12 chunks a warp, 10.3 against 7.2 µs a layer at 58 rows; perf log g1), else k_gemm's."""
+        projection: 12 chunks a warp, 10.3 against 7.2 µs a layer at 58 rows; P68), else k_gemm's."""
         if self.gemm_warps is not None:
             return self.gemm_warps
         return GEMM_MAX_WARPS if kp > 8 * GEMM_WARPS * 32 else GEMM_WARPS
@@ -679,7 +680,7 @@ class CudaBackend:
     def forward(self, batch: StepBatch, device_tokens=None, skip_if_done=None) -> None:
         """Validate, stage and enqueue the step. A step of decode rows only (up to graph_rows) replays
         the graph captured for its launch shape, one cuGraphLaunch instead of 2 + 6L raw launches
-        (~5 µs of host time each, GPU_NOTES); the graph runs the same kernels with the same
+        (~5 µs of host time each, docs/gpu.md#launch-cost); the graph runs the same kernels with the same
         parameters, so the bits are those of the launches it replaces.
 
         device_tokens (a device int32 array) replaces batch.tokens with its first R entries, copied in

@@ -2,8 +2,9 @@
 
 numba-cuda 0.30.4 registers an overload for ``np.row_stack`` while building its typing context; numpy
 2.5 removed that alias, so on such an image *every* kernel compile fails with
-``AttributeError: module 'numpy' has no attribute 'row_stack'`` (GPU_NOTES). ``np.vstack`` is what the
-alias always meant. The fix is idempotent and does nothing where numpy still has the name.
+``AttributeError: module 'numpy' has no attribute 'row_stack'`` (docs/gpu.md#numpy-25-against-numba-cuda-0304).
+``np.vstack`` is what the alias always meant. The fix is idempotent and does nothing where numpy still has the
+name.
 """
 from __future__ import annotations
 

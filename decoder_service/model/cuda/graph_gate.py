@@ -5,7 +5,7 @@ those picks, the step is dropped unread, yet its ~0.7 ms on the device would sti
 request. A gated graph (launcher.Graph with a gate) puts the captured forward pass under a conditional
 IF node; k_gate, the node before it, reads the rows' done flags (k_select writes them at the picks) and
 sets the condition, so a step whose rows have all ended costs the gate instead of the forward pass
-(GPU_NOTES: conditional nodes, and the device function that sets one).
+(docs/gpu.md#conditional-graph-nodes: conditional nodes, and the device function that sets one).
 
 Under numba's simulator there is no graph: the handle is a key of SIM_CONDITIONS, where the simulated
 set_conditional writes, and Graph.replay reads it after running the gate.

@@ -309,7 +309,7 @@ else:  # -----------------------------------------------------------------------
     @intrinsic
     def ld_l2(typingctx, arr, i):
         """ld.global.cg of a float32: cached in L2 only, so data other blocks of this launch wrote
-        (before their threadfence) is never read stale from this SM's L1."""
+        (before their threadfence) is never read stale from this SM's L1 (P06; docs/gpu.md#the-memory-system)."""
         if not isinstance(arr, nbt.Array) or arr.dtype != nbt.float32:
             return None
         sig = nbt.float32(arr, i)
@@ -396,7 +396,7 @@ else:  # -----------------------------------------------------------------------
     @functools.cache
     def pdl_capable() -> bool:
         """Whether the GPU has programmatic dependent launch (sm_90 on); without one (offline PTX
-        for the H200, bench/ptx_report.py), yes. Asked once."""
+        for the H200, `python -m bench ptx`), yes. Asked once."""
         try:
             return cuda.get_current_device().compute_capability >= (9, 0)
         except Exception:
@@ -487,7 +487,8 @@ def block_max(v, red, tid, nw):
 @cuda.jit(device=True, inline="always")
 def cdiv(a, b):
     """ceil(a / b) of non-negative int32 values, as an unsigned 32-bit division (numba's // on them is a
-    64-bit floor division with a sign fix-up: ~60 instructions more; perf log m5)."""
+    64-bit floor division with a sign fix-up: ~60 instructions more; P42,
+    docs/gpu.md#what-numbas-code-generation-adds)."""
     return np.uint32(a + b - 1) // np.uint32(b)
 
 

@@ -2,7 +2,7 @@
 raw ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the model
 kernels), stream-ordered copies, and CUDA graph capture and replay.
 
-numba is only the compiler here. Its dispatcher converts every argument on every call (GPU_NOTES:
+numba is only the compiler here. Its dispatcher converts every argument on every call (docs/gpu.md#launch-cost:
 5 µs per array argument), which costs more than most of these kernels run; a ``Launch`` packs the
 parameters once, in numba's kernel ABI (a 1-D array is 7 words: meminfo, parent, nitems, itemsize,
 data, shape, stride), and a launch is then one ``cuLaunchKernel`` on the packed buffer. Scalars that
@@ -36,14 +36,14 @@ else:  # pragma: no cover - names only used on a real device
     _OK = None
 
 
-# Programmatic dependent launch (perf log p1): model kernels (KERNELS, each starting with pdl_enter)
+# Programmatic dependent launch (P39): model kernels (KERNELS, each starting with pdl_enter)
 # launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
 # launches them plainly (for A/B measurements); the bits are the same either way.
 PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
 
 def parse_carveout(text: str) -> dict:
-    """TOOLTRIE_CARVEOUT, for A/B measurements (perf log c1): the preferred shared-memory carveout, in
+    """TOOLTRIE_CARVEOUT, for A/B measurements (P52): the preferred shared-memory carveout, in
     percent of the SM's unified L1/shared, as "N" for every kernel ({"*": N}) or "name=N,name=N" for
     those kernels; empty: none set (the driver picks one per kernel)."""
     items = [i.strip() for i in text.split(",") if i.strip()]
@@ -148,7 +148,7 @@ class Kernel:
 
     def occupancy(self, block: int, shmem: int) -> int:
         """Resident blocks per SM for this block size and dynamic shared memory (opted into first: asked
-        before a launch allows it, the driver counts none; perf log q1)."""
+        before a launch allows it, the driver counts none; P74, docs/gpu.md#registers-occupancy-shared-memory)."""
         if SIM:
             return 2
         self.allow_dynamic_shared(shmem)
@@ -156,7 +156,8 @@ class Kernel:
                          f"cuOccupancyMaxActiveBlocksPerMultiprocessor({self.name})"))
 
     def allow_dynamic_shared(self, nbytes: int) -> None:
-        """Dynamic shared memory above 48 KiB must be opted into per function."""
+        """Dynamic shared memory above 48 KiB must be opted into per function
+        (docs/gpu.md#registers-occupancy-shared-memory)."""
         if SIM or nbytes <= self._max_dyn_shared:
             return
         attr = drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES

@@ -15,7 +15,7 @@ from .intrinsics import (
     MMA, SIM, WARP, block_sum, kv_base, ld8, ld_words, mma_bf16, pdl_enter, prefetch_l1, prefetch_l2, quad_sum,
     rope_pair, split_bf16, stf, warp_sum)
 
-TILE_ROWS = 4                 # k_gemv_tile: input rows per block (8 was slower: perf log g1)
+TILE_ROWS = 4                 # k_gemv_tile: input rows per block (8 was slower: P24)
 TILE_ACC = 4 * TILE_ROWS      # k_gemv_tile: a lane's partial sums (2 weight rows x even/odd x rows)
 TILE_RED = 32 * TILE_ROWS     # k_gemv_tile: the rows' per-warp norm partials (up to 32 warps)
 # Prompt rows of bf16 models (k_gemm, k_gemm_wide): mma.sync m16n8k16 on the tensor cores, a block of warps
@@ -28,7 +28,7 @@ GEMM_MAX_WARPS = 8            # k_gemm_wide: warps per block (the shared arrays 
 GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
 GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
 GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
-GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; perf log r2)
+GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; P30)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
 
@@ -62,7 +62,8 @@ def sq8(s, v0, v1, v2, v3, v4, v5, v6, v7):
 @cuda.jit(device=True, inline="always")
 def planes(o, Q):
     """The shared-memory indices o + e*Q (e = 0..7) of a planar chunk's elements, unsigned: numba adds
-    negative-index wraparound code to every access through a signed index."""
+    negative-index wraparound code to every access through a signed index (P42,
+    docs/gpu.md#what-numbas-code-generation-adds)."""
     return (np.uint32(o), np.uint32(o + Q), np.uint32(o + 2 * Q), np.uint32(o + 3 * Q), np.uint32(o + 4 * Q),
             np.uint32(o + 5 * Q), np.uint32(o + 6 * Q), np.uint32(o + 7 * Q))
 
@@ -316,7 +317,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
     # Cache hints for the warp's weight rows, issued before the wait for the previous kernel: no kernel
     # writes the weights, so their fetch overlaps that kernel's tail and this one's staging. One input
     # row only: with several, the hints' traffic slows the previous kernel more than it saves
-    # (perf log m6).
+    # (P44, P45).
     if pf != 0 and cuda.gridDim.y == 1:
         p = p0
         while p < npairs:
@@ -568,7 +569,7 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     hi + lo (two mmas, ~16 significant bits); weights are exact. The norm's 1/rms scales the finished
     sum. The warps' partials are summed in warp order. What an output element computes depends on its
     row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
-    a row's bits are its own (checked by bench/gemm_check.py on the device).
+    a row's bits are its own (checked by tests/test_gemm.py, under the simulator and on the device).
     Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
                GEMM_WARPS)
@@ -580,7 +581,7 @@ SIGNATURES["k_gemm"] = lambda t: _gemm(t) if t.bf16 else None
 def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first,
                 end):
     """k_gemm with GEMM_MAX_WARPS warps a block: each takes every GEMM_MAX_WARPS-th chunk, half as many
-    in a row, for matrices whose K is long (perf log g1). Block: GEMM_MAX_WARPS * MMA threads."""
+    in a row, for matrices whose K is long (P68). Block: GEMM_MAX_WARPS * MMA threads."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
                GEMM_MAX_WARPS)
 
