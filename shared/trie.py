@@ -21,6 +21,13 @@ STOP = -2  # edge_child sentinel: the stop token, the answer is complete
 FORMAT = "tooltrie-csr-1"
 CONSTANT_MEMORY_BUDGET = 64 * 1024
 ARRAYS = ("node_edge_start", "edge_token", "edge_child", "edge_lo", "edge_hi")
+PACKED_HEADER_WORDS = 2   # the packed trie's header (nodes + 1, edges) before its arrays' int32 words
+
+
+def fits_constant_memory(packed_bytes: int) -> bool:
+    """The placement rule, one for the compiler's stat and the device (model/cuda/device_trie.py): a trie whose
+    packed form is at most 64 KiB may be bound to constant memory; larger ones are read from the global arena."""
+    return packed_bytes <= CONSTANT_MEMORY_BUDGET
 
 
 def control_edge_legal(child, n_emitted, k):
@@ -65,8 +72,13 @@ class Trie:
         return sum(getattr(self, a).nbytes for a in ARRAYS)
 
     @property
+    def packed_nbytes(self) -> int:
+        """The bytes of the trie packed for the device: its arrays as int32 words after the header."""
+        return 4 * (PACKED_HEADER_WORDS + sum(getattr(self, a).size for a in ARRAYS))
+
+    @property
     def fits_constant_memory(self) -> bool:
-        return self.nbytes <= CONSTANT_MEMORY_BUDGET
+        return fits_constant_memory(self.packed_nbytes)
 
     def max_fanout(self) -> int:
         return int(np.diff(self.node_edge_start).max())

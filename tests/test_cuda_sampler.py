@@ -90,6 +90,9 @@ def main() -> None:
              for n in ("metatool", "bigcatalog", "toolbench")}
     packed = {n: dt.pack_trie(t) for n, t in tries.items()}
     assert dt.fits_constant_memory(packed["metatool"])
+    # the compiler's stat and the device's placement measure the same bytes
+    assert all(tries[n].packed_nbytes == p.nbytes and tries[n].fits_constant_memory == dt.fits_constant_memory(p)
+               for n, p in packed.items())
     arena_parts, base = [], {}
     offset = 0
     for n, p in packed.items():

@@ -129,6 +129,23 @@ def test_blob_round_trip(small_tok):
     assert (back.sep_id, back.stop_id) == (trie.sep_id, trie.stop_id)
 
 
+def test_constant_memory_is_measured_on_the_packed_trie():
+    """The compiler's stat and the device's placement are one rule on one measure: the packed trie (its arrays
+    after a 2-word header), so a trie whose arrays alone fit 64 KiB but whose packed form does not is 'no'."""
+    from shared.trie import CONSTANT_MEMORY_BUDGET, fits_constant_memory
+
+    def trie_of(starts: int, edges: int) -> Trie:     # arrays of starts + 4 * edges int32 words
+        z = np.zeros(edges, np.int32)
+        return Trie(node_edge_start=np.zeros(starts, np.int32), edge_token=z, edge_child=z.copy(),
+                    edge_lo=z.copy(), edge_hi=z.copy(), pointer_names=[], sep_id=0, stop_id=1)
+
+    words, edges = CONSTANT_MEMORY_BUDGET // 4, 4095
+    fits, over = trie_of(words - 2 - 4 * edges, edges), trie_of(words - 1 - 4 * edges, edges)
+    assert fits.packed_nbytes == fits.nbytes + 8 == CONSTANT_MEMORY_BUDGET and fits.fits_constant_memory
+    assert over.nbytes < CONSTANT_MEMORY_BUDGET < over.packed_nbytes and not over.fits_constant_memory
+    assert fits_constant_memory(CONSTANT_MEMORY_BUDGET) and not fits_constant_memory(CONSTANT_MEMORY_BUDGET + 1)
+
+
 def test_blob_of_another_format_is_refused():
     from safetensors.numpy import save
     with pytest.raises(ValueError, match="not a tooltrie trie blob"):

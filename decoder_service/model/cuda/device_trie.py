@@ -14,7 +14,8 @@ from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda com
 
 from numba import cuda  # noqa: E402
 
-from shared.trie import CONSTANT_MEMORY_BUDGET, SEP, STOP, Trie, control_edge_legal  # noqa: E402
+from shared.trie import CONSTANT_MEMORY_BUDGET, PACKED_HEADER_WORDS, SEP, STOP, Trie, control_edge_legal  # noqa: E402
+from shared.trie import fits_constant_memory as _placement_rule  # noqa: E402
 from .intrinsics import SIM  # noqa: E402
 from .launcher import Kernel, Launch, check, event_wait_host, new_event  # noqa: E402
 
@@ -22,7 +23,8 @@ THREADS = 8 if SIM else 128
 CONST_WORDS = CONSTANT_MEMORY_BUDGET // 4   # constant memory as int32 words: room for one packed trie
 # The kernel's constant-memory image, rewritten by ConstantTrie.bind. Its initial content is never read,
 # but it must not be uniform: a load from a constant array that is all zeros is folded to 0 by the
-# compiler, whatever the index, and the rebinding would be silently ignored (seen on the H200).
+# compiler, whatever the index, and the rebinding would be silently ignored (seen on the H200: P09,
+# docs/gpu.md#constant-memory).
 CONST_TRIE = np.arange(CONST_WORDS, dtype=np.int32)
 OK, EMPTY_MASK, TOO_MANY = 0, 1, 2         # per-row status written by k_mask
 _I, _S, _F = numba.int32[::1], numba.int32, numba.float32[::1]
@@ -31,15 +33,17 @@ control_legal = cuda.jit(device=True, inline="always")(control_edge_legal)   # t
 
 def pack_trie(trie: Trie) -> np.ndarray:
     """The trie as one int32 array, the layout both placements hold: [nodes + 1, edges, node_edge_start...,
-    edge_token..., edge_child..., edge_lo..., edge_hi...]."""
-    return np.concatenate([np.asarray([trie.num_nodes + 1, trie.num_edges], np.int32), trie.node_edge_start,
-                           trie.edge_token, trie.edge_child, trie.edge_lo, trie.edge_hi]).astype(np.int32)
+    edge_token..., edge_child..., edge_lo..., edge_hi...] (Trie.packed_nbytes bytes)."""
+    header = np.asarray([trie.num_nodes + 1, trie.num_edges], np.int32)
+    assert len(header) == PACKED_HEADER_WORDS
+    return np.concatenate([header, trie.node_edge_start, trie.edge_token, trie.edge_child, trie.edge_lo,
+                           trie.edge_hi]).astype(np.int32)
 
 
 def fits_constant_memory(packed: np.ndarray) -> bool:
-    """The placement rule: a packed trie of up to 64 KiB may be bound to constant memory; larger ones are
-    read from the global arena only."""
-    return packed.nbytes <= CONSTANT_MEMORY_BUDGET
+    """shared.trie's placement rule (up to 64 KiB in constant memory, else the global arena only), on a packed
+    trie."""
+    return _placement_rule(packed.nbytes)
 
 
 @cuda.jit(device=True, inline="always")
@@ -281,7 +285,7 @@ def sampler_launches(kernels: TrieKernels, stream, arena, rows: dict, kstride: i
 class ConstantTrie:
     """Which catalog version k_mask's constant memory holds; `bind` rewrites it from the host in stream
     order. Whoever replays a captured graph that reads it must bind first: graph replay replays kernels, not
-    the host upload that filled the symbol."""
+    the host upload that filled the symbol (docs/gpu.md#cuda-graphs-from-numba-launches)."""
 
     def __init__(self, kernels: TrieKernels):
         self.kernels = kernels
@@ -296,7 +300,8 @@ class ConstantTrie:
             CONST_TRIE[:len(packed)] = packed
         else:
             from cuda.bindings import driver
-            # numba-private: the compiled module's symbol for the const array (GPU_NOTES), in one place
+            # numba-private: the compiled module's symbol for the const array (docs/gpu.md#constant-memory),
+            # in one place
             pointer, size = self.kernels.mask.module.get_global_symbol("_cudapy_cmem")
             host = cuda.pinned_array(CONST_WORDS, np.int32)  # a fresh buffer: the copy is asynchronous
             host[:] = 0
