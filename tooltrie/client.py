@@ -1,18 +1,10 @@
 """A small Python client for orchestrators: Discover as an iterator (sync) or async iterator (asyncio).
 
-    from tooltrie.client import DecoderClient
     with DecoderClient() as client:          # TOOLTRIE_DECODER_ADDR, TLS and token from the settings
         for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
             print(tool.name, tool.logprob)
 
-    async with AsyncDecoderClient() as client:
-        async for tool in client.discover("metatool", "what's the weather in Paris?", k=2):
-            print(tool.name)
-
-Across several decoder replicas, pass a `dns:///host:port` target: the channel balances requests
-round-robin over every address the name resolves to (docs/deploy.md). With TOOLTRIE_TLS_CA (or
-TOOLTRIE_TLS=1) the channel uses TLS, presenting TOOLTRIE_TLS_CLIENT_CERT/KEY when set (mutual TLS);
-TOOLTRIE_DISCOVER_TOKEN is sent as a bearer token.
+Several replicas (a `dns:///` target, round-robin), TLS and the bearer token: docs/deploy.md.
 """
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """The CUDA encoder: numba.cuda kernels for the BERT forward pass, launched by the generator's launcher.
 
-Texts are packed end to end (no padding); a chunk of texts is 2 + 7 * layers launches: embedding +
-LayerNorm, then per layer the q|k|v GEMM, attention, the output GEMM (+ residual), LayerNorm, the
-feed-forward GEMM (+ GELU), the second GEMM (+ residual), LayerNorm; then mean pooling + L2 norm. The
-launches are raw cuLaunchKernel calls on prepacked parameters (launcher.Launch); a single text (a
-query) replays a CUDA graph captured once per token count, copies in and out included.
-
-Weights are stored in float16 (matrices transposed to [K, N], embedding tables as they are),
-activations and every sum in float32.
-
-Determinism by construction: every output of every GEMM is the same arithmetic whichever kernel
-computes it and whatever the other rows are: K is cut into segments of SEG; each segment's products
-are accumulated from zero in ascending k with fma; the segments' partial sums are added in ascending
-order; then bias and epilogue. k_gemm_tile (shared-memory tiles, for many rows) and k_gemm_seg
-(segments spread over threads, for a few rows) both do exactly that. Attention and pooling read only
-their own text's rows, keys in ascending order, and LayerNorm and pooling use fixed reduction trees.
-So a text's vector is bit-identical alone, in any batch and at any place in it.
+Texts packed end to end, float16 weights, float32 sums; a single text replays a captured graph. Every GEMM
+output is the same arithmetic in k_gemm_tile and k_gemm_seg (K in SEG segments, fixed order), so a text's
+vector is bit-identical alone or in any batch (docs/encoder.md, "The CUDA pass").
 """
 from __future__ import annotations
 

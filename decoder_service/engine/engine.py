@@ -1,30 +1,10 @@
 """DecodeEngine: requests in, exactly k distinct catalog tool names out, streamed as they complete.
 
-One engine owns one model backend and its KV pool. `step()` runs one continuous-batching step:
-admit, one ragged forward pass over decode rows and prefill chunks, then the trie-masked sampler for
-every row that needs a token. `start()` runs steps on a background thread that owns the device;
-`submit`, `cancel` and `load_catalog` are safe to call from any thread.
-
-Per step, for the rows that need a token, the sampler (sampler.HostSampler, or on a GPU backend
-cuda_sampler.DeviceSampler):
-  legal edges -> candidate tokens -> sparse head logits (or dense + gather)
-  -> select (highest logit, lower token id on ties),
-then the engine advances each row on its own host copy of the trie, refusing a token that is not the
-chosen edge of the current node, streams a completed pointer, and after the last one walks the whole
-answer through the trie again. Any mismatch fails the request: never a plausible wrong answer.
-
-Stepping ahead: with the device sampler, the picked tokens and the rows' trie state are on the device
-before the host reads them, so where the next step can only be the same rows one token further, the
-engine enqueues it first, its tokens copied on the device, and reads this step's picks while it runs:
-the host's share of a step (planning, staging, reading, advancing) overlaps the device's. Its rows
-compute exactly what the step planned after the read would, so no answer depends on it. A step
-launched ahead of rows that all end at the read is never read: the next request's host work overlaps it,
-and on the device its forward pass does not run (the sampler's done flags gate it).
-
-Forced tails: on an answer's last pointer, once one name is left below the row's node, each of its
-remaining tokens (and the stop) is the sampler's only candidate, chosen with log-probability 0 whatever
-the logits; the engine takes them when it reads the pick that got there, and the answer completes
-without the steps that would compute them.
+One engine owns one model backend, its KV pool and the device: `step()` is one continuous-batching step
+(admit, one ragged forward pass, the trie-masked pick, advance), run by `start()`'s thread; `submit`,
+`cancel`, `load_catalog` and `make_resident` may be called from any thread. A step's parts, the step ahead
+and the forced tails: docs/architecture.md ("The path of a request"); their figures: docs/performance.md
+(P54, P57, P71).
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""StepBatch: one ragged forward step.
+"""StepBatch: one ragged forward step (continuous batching).
 
-Each row is one token of one sequence at one absolute position, so a single step can mix prefill
-chunks of several prompts with single decode tokens of others (continuous batching). The rows of
-a sequence need not be contiguous or ordered; a row attends to positions 0..positions[row] of its
-own sequence, whose K/V live in the paged pool at the blocks its block table names.
-
-The first `decode_rows` rows are generated tokens, the others prompt rows. A backend may compute the
-two kinds differently (the CUDA backend's attention does: one row at a time, or a chunk's rows
-together); a row's result then depends on its kind, which the request fixes, never on the batch.
+Each row is one token of one sequence at one absolute position, so a step mixes prefill chunks with decode
+rows; the first `decode_rows` rows are generated tokens, and a row's result depends on its kind, never on the
+batch (docs/model_runtime_interface.md).
 """
 from __future__ import annotations
 

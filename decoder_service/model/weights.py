@@ -1,12 +1,8 @@
 """Weights: read a safetensors checkpoint (single file or sharded) into per-layer stacked arrays.
 
-The layout is chosen for the kernels, not for the checkpoint: every per-layer tensor is stacked over
-layers ([L, ...]) and the projections that read the same input are fused (q|k|v, gate|up), so a
-backend runs one matrix product where the checkpoint has three or two.
-
-Every tensor's name, dtype and shape is checked against the config from the file headers alone,
-before any array is allocated. numpy has no bfloat16, so bf16 data is kept as its raw uint16 bits
-(`Weights.dtype == "bfloat16"`) and widened to float32 exactly by a 16-bit shift.
+The layout is the kernels', not the checkpoint's: tensors stacked over layers, projections that read the
+same input fused (q|k|v, gate|up), bf16 kept as raw uint16 bits; everything checked from the file headers
+before any array is allocated (docs/model_runtime_interface.md).
 """
 from __future__ import annotations
 

@@ -1,35 +1,8 @@
-"""CudaBackend: the model step on the GPU, in the interface of docs/model_runtime_interface.md.
+"""CudaBackend: the model step on the GPU, behind docs/model_runtime_interface.md's interface.
 
-Host-level interface (same as the cpu backend and the reference):
-    forward(batch[, device_tokens, skip_if_done]) -> None; dense_logits() -> float32 [N, V];
-    sparse_logits(cand, n) -> float32 [N, C]
-    (forward replays a CUDA graph, captured once per launch shape, for a step of decode rows only)
-
-Device-level entries for the engine (no allocation, no host synchronisation; capturable):
-    stage(batch)                 async copy of the step inputs into the device input buffers
-    launch_forward(R, N)         the forward pass of R rows; final-normed hidden of N logit rows
-    launch_dense(N)              logits of those N rows into `logits`
-    stage_candidates(cand, n)    async copy of candidate lists into `cand` / `ncand`
-    launch_sparse(N)             candidate logits into `sparse`
-    capture(fn) -> Graph         capture any sequence of the above launch_* calls; Graph.replay()
-    device_trie(...)             the catalog tries and the pick over them (device_trie.py; allocates: once)
-Device buffers (numba device arrays, flat, row-major; the engine may read or write them in-stream):
-    tokens, slots, positions [max_rows] i32; attention's row list [max_rows] and row tiles (first
-    row, rows, split) [3 max_rows] i32;
-    logit_rows [max_logit_rows] i32;
-    block_tables [max_table] i32 (row stride = `table_stride`, set by stage());
-    hidden [max_logit_rows * H] f32 (final-normed); logits [max_logit_rows * V] f32;
-    cand [max_logit_rows * max_candidates] i32, ncand [max_logit_rows] i32,
-    sparse [max_logit_rows * max_candidates] f32; kv_k, kv_v (the pool, flat
-    [L, num_blocks, block_size, n_kv, head_dim] in the storage dtype).
-
-Per step: 2 + 6 * num_layers launches (embed; per layer qkv, rope+kv-write, attention, o-proj+residual,
-gate/up+SwiGLU, down+residual; final norm), plus one for a head. Rows are routed by kind (row_plan):
-in a bf16 model prompt rows run the four matrices on the tensor cores (k_gemm; k_gemm_wide where K is
-long) and decode rows the GEMVs, so a step with both has two launches per matrix; attention likewise
-(k_attn_rows, and for tiles k_attn_mma or k_attn_mma_wide on bf16 pools, k_attn_tiles otherwise): decode
-rows and prompt rows before position attn_tile_from attend one row at a time, later prompt rows in tiles
-of a chunk's rows.
+The host-level calls (forward, dense_logits, sparse_logits) are the cpu backend's; the device-level
+entries the engine keeps the step on the GPU with (stage, launch_forward, launch_sparse, capture,
+device_trie), the device buffers and the launch plan are in model/cuda/README.md.
 """
 from __future__ import annotations
 

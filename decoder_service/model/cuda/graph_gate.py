@@ -1,14 +1,8 @@
-"""The gate of a conditional graph: its body runs only while some row of the step is still live.
+"""The gate of a conditional graph: its body, a step's forward pass, runs only while some row is still live.
 
-The engine launches a step ahead of its rows' picks (engine.py); when every row's answer ended at
-those picks, the step is dropped unread, yet its ~0.7 ms on the device would still run ahead of the next
-request. A gated graph (launcher.Graph with a gate) puts the captured forward pass under a conditional
-IF node; k_gate, the node before it, reads the rows' done flags (k_select writes them at the picks) and
-sets the condition, so a step whose rows have all ended costs the gate instead of the forward pass
-(docs/gpu.md#conditional-graph-nodes: conditional nodes, and the device function that sets one).
-
-Under numba's simulator there is no graph: the handle is a key of SIM_CONDITIONS, where the simulated
-set_conditional writes, and Graph.replay reads it after running the gate.
+A step launched ahead of rows that all ended at the picks is dropped unread (engine.py); k_gate reads the
+rows' done flags and sets the IF node's condition, so such a step costs the gate, not the forward pass
+(P72; docs/gpu.md#conditional-graph-nodes). Under the simulator SIM_CONDITIONS stands in for the handle.
 """
 from __future__ import annotations
 

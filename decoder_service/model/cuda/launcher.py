@@ -1,16 +1,7 @@
-"""The engine owns the launches: compiled kernels' CUfunction handles, prepacked parameter buffers,
-raw ``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the model
-kernels), stream-ordered copies, and CUDA graph capture and replay.
-
-numba is only the compiler here. Its dispatcher converts every argument on every call (docs/gpu.md#launch-cost:
-5 µs per array argument), which costs more than most of these kernels run; a ``Launch`` packs the
-parameters once, in numba's kernel ABI (a 1-D array is 7 words: meminfo, parent, nitems, itemsize,
-data, shape, stride), and a launch is then one ``cuLaunchKernel`` on the packed buffer. Scalars that
-change between steps are ``Scalar`` objects shared by every launch that reads them: one write updates
-all of them. Inside a captured graph the values are those at capture time.
-
-Under numba's CUDA simulator there is no driver: ``Launch`` falls back to the dispatcher (simulator
-only), copies are numpy copies, and a ``Graph`` re-runs the captured Python function on replay.
+"""The engine owns the launches: compiled kernels' CUfunctions, parameters packed once (by name), raw
+``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the model kernels),
+stream-ordered copies, CUDA graph capture and replay. numba is only the compiler: its dispatcher's
+per-call argument conversion costs more than most kernels run (docs/gpu.md#launch-cost).
 """
 from __future__ import annotations
 
@@ -78,7 +69,8 @@ def dptr(arr) -> int:
 
 
 class Scalar:
-    """A scalar kernel parameter shared by launches (e.g. the block-table stride of this step)."""
+    """A scalar kernel parameter shared by launches (e.g. the block-table stride of this step): one write
+    updates every launch that reads it; a captured graph keeps its value at capture."""
 
     __slots__ = ("c",)
 

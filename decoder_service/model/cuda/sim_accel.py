@@ -1,12 +1,7 @@
 """Make numba's CUDA simulator fast enough to run the model's kernels in tests (simulator only).
 
-The simulator runs each CUDA thread as a Python thread and implements ``syncthreads`` by a manager
-that busy-polls every thread of the block while holding the GIL, so a block of 8 threads takes
-~50 ms. ``install()`` replaces that with a ``threading.Barrier`` per block (the same semantics for
-kernels where every thread of a block reaches every barrier, which all of ours do) and shortens
-the GIL switch interval. It also makes the simulator's creation of static shared arrays atomic (it
-races between the threads of a block). It changes no kernel and no result, and does nothing on a
-real GPU.
+``install()`` replaces the simulator's busy-polling ``syncthreads`` with a barrier per block and makes its
+static shared arrays atomic; no kernel or result changes (docs/gpu.md#numbas-cuda-simulator).
 """
 from __future__ import annotations
 
