@@ -8,6 +8,7 @@ import json
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,9 @@ from shared.tokenizer import TokenizerError
 
 log = logging.getLogger("tooltrie")
 
+# After SIGTERM the server keeps taking calls this long, refusing them (UNAVAILABLE, which clients retry)
+# before it stops taking any: a call already on the wire then reaches a handler instead of being cancelled.
+REFUSE_SECONDS = 0.5
 RPC_TOTAL = Counter("tooltrie_rpc_total", "RPCs handled, by service, method and status code",
                     ["service", "method", "code"])
 
@@ -254,7 +258,8 @@ class Guard(grpc.ServerInterceptor):
 
 def wait_for_termination(server, health_servicer, service_names: list[str], grace: float,
                          before_stop=None) -> None:
-    """Block until SIGTERM/SIGINT, then report NOT_SERVING, let in-flight RPCs finish, and stop."""
+    """Block until SIGTERM/SIGINT, then report NOT_SERVING, refuse new calls for REFUSE_SECONDS, let in-flight
+    RPCs finish, and stop."""
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -263,6 +268,7 @@ def wait_for_termination(server, health_servicer, service_names: list[str], grac
     if before_stop:
         before_stop()
     set_serving(health_servicer, service_names, False)
+    time.sleep(REFUSE_SECONDS)
     server.stop(grace).wait()
     log.info("stopped")
 
