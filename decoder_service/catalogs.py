@@ -22,7 +22,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
-from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_from_blob
+from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_digest, vectors_from_blob
 from shared.store import BlobRejected, CatalogStore, NotFound
 from shared.trie import Trie, TrieCorrupt
 
@@ -263,7 +263,7 @@ class CatalogManager:
         index, n = bm25_index(trie), len(trie.pointer_names)
         if self.encoder is None:
             return Retriever(index, n)
-        digest = self.encoder.digest
+        digest = vectors_digest(self.encoder)
         vectors = None
         try:
             blob = self.store.vectors(name, version, digest)

@@ -25,6 +25,7 @@ from shared.trie import Trie, read_blob_metadata
 DENSE_WEIGHT = 0.6
 SHORTLIST = 20
 MAX_PARTS = 8    # the intent and at most 7 of its clauses
+VECTORS_RECIPE = 2   # tool_vectors' recipe: 1 the text alone; 2 with its examples' mean or a written request
 _CLAUSE = re.compile(r"(?<=[.?!;])\s+|,? and (?:then |also )?|,? then |, also ")
 
 
@@ -52,6 +53,12 @@ def bm25_index(trie: Trie) -> Bm25Index:
     index = Bm25Index(trie.meta["bm25_terms"], *(trie.extra[f"bm25_{a}"] for a in Bm25Index.ARRAYS))
     index.check(len(trie.pointer_names))
     return index
+
+
+def vectors_digest(encoder) -> str:
+    """What stored tool vectors must have been made with: the encoder, and this module's recipe (VECTORS_RECIPE),
+    so that a new recipe never reuses vectors an older one stored."""
+    return f"{encoder.digest}-r{VECTORS_RECIPE}"
 
 
 def vectors_blob(vectors: np.ndarray, content_hash: str, encoder_digest: str) -> bytes:
@@ -100,8 +107,9 @@ def tool_vectors(trie: Trie, encoder) -> np.ndarray:
 def computed_vectors(trie: Trie, encoder) -> tuple[np.ndarray, bytes]:
     """(vectors, blob): the version's tool vectors computed now, returned through their stored form (float16)
     so that a version answers the same whichever replica computed them, and the blob to store."""
-    blob = vectors_blob(tool_vectors(trie, encoder), trie.meta["content_hash"], encoder.digest)
-    return vectors_from_blob(blob, trie, encoder.digest, encoder.dim), blob
+    digest = vectors_digest(encoder)
+    blob = vectors_blob(tool_vectors(trie, encoder), trie.meta["content_hash"], digest)
+    return vectors_from_blob(blob, trie, digest, encoder.dim), blob
 
 
 class Retriever:

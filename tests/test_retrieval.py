@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from compiler_service.compiler import compile_catalog
-from decoder_service.retrieval import (Retriever, intent_parts, tool_vectors, top_n, vectors_blob, vectors_from_blob,
-                                       written_request)
+from decoder_service.retrieval import (VECTORS_RECIPE, Retriever, intent_parts, tool_vectors, top_n, vectors_blob,
+                                       vectors_digest, vectors_from_blob, written_request)
 from shared.bm25 import Bm25Index, terms, tool_terms
 from shared.catalog import parse_registry
 from shared.tokenizer import ModelTokenizer
@@ -145,6 +145,11 @@ def test_stored_vectors_are_refused_unless_they_are_this_versions_and_intact():
     assert np.array_equal(vectors_from_blob(blob, trie, "enc", 2), vectors)
     with pytest.raises(ValueError, match="another catalog version or encoder"):
         vectors_from_blob(blob, trie, "other-encoder", 2)
+    # vectors an older recipe made with the same encoder are not this code's: recomputed, never reused
+    encoder = Fixed([1, 0])
+    older = vectors_blob(vectors, "h1", f"{encoder.digest}-r{VECTORS_RECIPE - 1}")
+    with pytest.raises(ValueError, match="another catalog version or encoder"):
+        vectors_from_blob(older, trie, vectors_digest(encoder), 2)
     tampered = bytearray(blob)
     tampered[-1] ^= 0x40
     with pytest.raises(ValueError, match="recorded hash"):
