@@ -23,6 +23,7 @@ COMMANDS = {
     "sampler": ("sampler", "GPU", "the sampler kernels, constant-memory vs global-memory trie"),
     "engine-phases": ("host", "any", "a concurrency-1 query's steps by engine phase"),
     "host-step": ("host", "any", "the engine's host time between two steps at R decoding rows"),
+    "swap": ("host", "any", "the first request after a catalog switch against the steady state"),
     "ptx": ("ptx", "no GPU", "registers, spills and SASS of kernels for sm_90; PTX against another checkout"),
 }
 

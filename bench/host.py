@@ -3,6 +3,7 @@ time between two steps without a model.
 
     python3 -m bench engine-phases [--workload metatool] [--queries 40] [--shape smollm2-135m]
     python -m bench host-step [--rows 1,64,256]
+    python3 -m bench swap [--swaps 5] [--steady 20]
 
 engine-phases: a step plans, stages and enqueues the forward pass and the sampler (or takes the step
 launched ahead), enqueues the next step ahead where it can (`ahead`: its forward and sampler), then waits
@@ -22,6 +23,7 @@ parts is printed.
 """
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from collections import defaultdict
@@ -190,3 +192,59 @@ def host_step(args) -> None:
         print(f"| {rows} | {median_us(engine.scheduler.plan):.0f} | {median_us(lambda: engine._batch(plan)):.0f} | "
               f"{median_us(lambda: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} | "
               f"{median_us(lambda: attention_plan(batch, ctx, 2048, *smollm2_tiles)):.1f} |", flush=True)
+
+
+def swap_arguments(p) -> None:
+    p.add_argument("--swaps", type=int, default=5, help="version switches per variant")
+    p.add_argument("--steady", type=int, default=20, help="requests after the first, for the steady median")
+    p.add_argument("--shape", default="smollm2-135m")
+
+
+def swap(args) -> None:
+    """The first request after a catalog switch against the steady state (issue 30's target on the H200: within
+    0.1 ms), with the version bound at the switch (`make_resident`, the service's way) and, for comparison,
+    bound inside its first step (make_resident skipped: the way before the device trie's move). MetaTool's
+    tools in a new order make each new version. A GPU measurement; the CPU run only checks the command."""
+    from decoder_service.catalogs import CatalogManager
+    from compiler_service.compiler import compile_catalog
+    from shared.catalog import catalog_from_entries
+    from shared.dataset import catalog_path
+    gpu = has_gpu()
+    tok = ModelTokenizer(DEFAULT_MODEL_DIR)
+    cfg, weights, what = model_for(args.shape, gpu)
+    spec = KVPoolSpec.from_tokens(8192 + MAX_SEQS * 512, BLOCK)
+    be = make_backend(cfg, weights, spec, gpu, max_table=MAX_SEQS * -(-cfg.max_position_embeddings // BLOCK))
+    engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings, EngineConfig())
+    tools = json.loads(catalog_path("metatool").read_text())
+    n = args.swaps + 1
+    runtimes = {}
+    for version in range(1, 2 * n + 1):
+        rotated = tools[version % len(tools):] + tools[:version % len(tools)]
+        trie = compile_catalog(catalog_from_entries(rotated), tok)
+        trie.meta.update(name="demo", version=version)
+        runtimes[version] = engine.load_catalog(trie)
+    engine.run_until_idle()
+    manager = CatalogManager(None, engine)
+    manager.load = lambda name, version, superseded=None: runtimes[version]
+    bind = engine.make_resident
+
+    def request() -> float:
+        t = time.perf_counter()
+        seq = engine.submit(manager.acquire("demo"), "what's the weather going to be like in Paris", 2)
+        engine.run_until_idle()
+        list(seq)
+        return (time.perf_counter() - t) * 1e3
+    print(f"{what} weights, {'CUDA' if gpu else 'CPU'} backend")
+    for label, versions, hook in (("bound at the switch", range(1, n + 1), bind),
+                                  ("bound in its first step", range(n + 1, 2 * n + 1), lambda rt, constant=True: None)):
+        engine.make_resident = hook
+        extra = []
+        for version in versions:
+            manager.wanted["demo"] = version
+            manager.make_default("demo", version)
+            engine.run_until_idle()          # what the engine thread does at the switch
+            first = request()
+            extra.append(first - statistics.median(request() for _ in range(args.steady)))
+        print(f"{label}: first request after a switch {statistics.median(extra[1:]):+.3f} ms over the steady "
+              f"median ({len(extra) - 1} switches)")
+    engine.make_resident = bind
