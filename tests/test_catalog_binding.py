@@ -14,8 +14,6 @@ sampler's names.
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 
 import pytest
 
@@ -53,30 +51,10 @@ def main() -> None:
     from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
-    from decoder_service.model.config import ModelConfig
-    from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.kv_pool import KVPoolSpec
-    from decoder_service.model.weights import load_weights
-    from model_fixtures import make_tiny_model
     from shared.catalog import catalog_from_entries
-    from shared.tokenizer import ModelTokenizer
-    from test_engine_cuda_sim import CpuModelDeviceHead
-    from tokenizer_fixtures import catalog_path, make_tokenizer_dir
-    simulated = sim_accel.install()
-    tmp = Path(tempfile.mkdtemp())
-    tok = ModelTokenizer(make_tokenizer_dir(tmp / "tok"))
-    model = make_tiny_model(tmp, "llama", "float32", tied=True, seed=2,
-                            config_overrides={"vocab_size": tok.tokenizer.get_vocab_size(),
-                                              "max_position_embeddings": 4096})
-    cfg = ModelConfig.from_dir(model)
-    spec = KVPoolSpec(512, 16)
-    weights = load_weights(model, cfg, "float32")
-    if simulated:
-        from decoder_service.model.cpu import CpuBackend
-        backend = CpuModelDeviceHead(CpuBackend(cfg, weights, spec), max_logit_rows=16, max_candidates=128)
-    else:
-        from decoder_service.model.cuda.backend import CudaBackend
-        backend = CudaBackend(cfg, weights, spec, max_rows=512, max_logit_rows=16, max_candidates=128)
+    from test_engine_cuda_sim import device_stack
+    from tokenizer_fixtures import catalog_path
+    simulated, tok, cfg, spec, backend = device_stack()
     tools = json.loads(catalog_path("metatool").read_text())
     tries = {1: compile_catalog(catalog_from_entries(tools[:30]), tok),
              2: compile_catalog(catalog_from_entries(tools[10:45]), tok)}

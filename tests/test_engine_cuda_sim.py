@@ -107,25 +107,18 @@ class CpuModelDeviceHead:
         self.sparse.copy_to_device(out)
 
 
-def main() -> None:
+def device_stack():
+    """(simulated, tokenizer, config, KV spec, backend) of a tiny model with the device sampler's head: the
+    CUDA backend on a GPU, the CPU model behind the simulated device head under the simulator."""
     import tempfile
 
-    import numpy as np
-
-    from compiler_service.compiler import compile_catalog
-    from decoder_service.engine import cuda_sampler as cs
-    from decoder_service.engine.engine import DecodeEngine, EngineConfig
-    from decoder_service.engine.sampler import HostSampler
-    from decoder_service.engine.sequence import DoneEvent, FailedEvent
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.cuda.device_trie import pack_trie
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
     from model_fixtures import make_tiny_model
-    from shared.catalog import catalog_from_entries
     from shared.tokenizer import ModelTokenizer
-    from tokenizer_fixtures import catalog_path, make_tokenizer_dir
+    from tokenizer_fixtures import make_tokenizer_dir
     simulated = sim_accel.install()
     tmp = Path(tempfile.mkdtemp())
     tok = ModelTokenizer(make_tokenizer_dir(tmp / "tok"))
@@ -141,6 +134,21 @@ def main() -> None:
     else:
         from decoder_service.model.cuda.backend import CudaBackend
         backend = CudaBackend(cfg, weights, spec, max_rows=512, max_logit_rows=16, max_candidates=128)
+    return simulated, tok, cfg, spec, backend
+
+
+def main() -> None:
+    import numpy as np
+
+    from compiler_service.compiler import compile_catalog
+    from decoder_service.engine import cuda_sampler as cs
+    from decoder_service.engine.engine import DecodeEngine, EngineConfig
+    from decoder_service.engine.sampler import HostSampler
+    from decoder_service.engine.sequence import DoneEvent, FailedEvent
+    from decoder_service.model.cuda.device_trie import pack_trie
+    from shared.catalog import catalog_from_entries
+    from tokenizer_fixtures import catalog_path
+    simulated, tok, cfg, spec, backend = device_stack()
     tools = json.loads(catalog_path("metatool").read_text())
     tries = [compile_catalog(catalog_from_entries(tools[:30]), tok),
              compile_catalog(catalog_from_entries(tools[10:45]), tok)]
