@@ -117,7 +117,7 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
         raise CatalogError("the registry holds no tools")
     if len(entries) > settings.max_tools:
         raise CatalogError(f"the registry holds {len(entries)} tools, over the limit of {settings.max_tools}")
-    tools, seen = [], {}
+    tools, seen, examples_seen = [], {}, 0
     for i, e in enumerate(entries):
         where = f"tool #{i}" + (f" ({shown(e['name'])})" if isinstance(e.get("name"), str) else "")
         name = _check_name(e.get("name"), where, settings.max_name_chars)
@@ -127,6 +127,10 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
         if not isinstance(examples, list):
             raise CatalogError(f"{where}: examples must be a list of strings")
         examples = tuple(_check_text(x, "example", where, settings.max_description_chars) for x in examples)
+        examples_seen += len(examples)
+        if examples_seen > settings.max_examples:
+            raise CatalogError(f"{where}: the registry's examples pass the limit of {settings.max_examples} "
+                               "(TOOLTRIE_MAX_EXAMPLES)")
         key = unicodedata.normalize("NFKC", name)
         if key in seen:
             other = entries[seen[key]]["name"]

@@ -28,7 +28,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_METRICS_PORT": ("9464", "HTTP port for Prometheus metrics (0 disables)"),
     "TOOLTRIE_MAX_TOOLS": ("100000", "most tools one catalog may hold"),
     "TOOLTRIE_MAX_NAME_CHARS": ("256", "longest tool name, in characters"),
-    "TOOLTRIE_MAX_DESCRIPTION_CHARS": ("10000", "longest tool description, in characters"),
+    "TOOLTRIE_MAX_DESCRIPTION_CHARS": ("10000", "longest tool description (or example), in characters"),
+    "TOOLTRIE_MAX_EXAMPLES": ("100000", "most examples one catalog's tools may carry in all (the decoder encodes "
+                              "each once per version)"),
     "TOOLTRIE_KEEP_VERSIONS": ("10", "versions kept per catalog (the latest is never dropped)"),
     "TOOLTRIE_BACKEND": ("auto", "decoder backend: auto, cuda or cpu"),
     "TOOLTRIE_DRAIN_SECONDS": ("30", "grace period for in-flight requests after SIGTERM"),
@@ -90,6 +92,7 @@ class Settings:
     max_name_chars: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_NAME_CHARS")))
     max_description_chars: int = field(
         default_factory=lambda: int(_env("TOOLTRIE_MAX_DESCRIPTION_CHARS")))
+    max_examples: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_EXAMPLES")))
     keep_versions: int = field(default_factory=lambda: int(_env("TOOLTRIE_KEEP_VERSIONS")))
     backend: str = field(default_factory=lambda: _env("TOOLTRIE_BACKEND"))
     drain_seconds: float = field(default_factory=lambda: float(_env("TOOLTRIE_DRAIN_SECONDS")))

@@ -57,13 +57,16 @@ def test_bad_registries_are_refused_with_the_tool_named(registry, message):
 
 
 def test_limits_from_settings():
-    small = Settings(max_tools=2, max_name_chars=5, max_description_chars=10)
+    small = Settings(max_tools=2, max_name_chars=5, max_description_chars=10, max_examples=3)
     with pytest.raises(CatalogError, match="3 tools, over the limit of 2"):
         parse_registry(json.dumps([{"name": n} for n in "abc"]), small)
     with pytest.raises(CatalogError, match="6 characters, over the limit of 5"):
         parse_registry('[{"name": "abcdef"}]', small)
     with pytest.raises(CatalogError, match="description has 11 characters"):
         parse_registry('[{"name": "a", "description": "01234567890"}]', small)
+    with pytest.raises(CatalogError, match=r"tool #1 \('b'\): the registry's examples pass the limit of 3"):
+        parse_registry('[{"name": "a", "examples": ["x", "y"]}, {"name": "b", "examples": ["z", "w"]}]', small)
+    assert len(parse_registry('[{"name": "a", "examples": ["x", "y", "z"]}]', small).tools[0].examples) == 3
 
 
 @pytest.mark.parametrize("name", ["metatool", "v2.catalog_x-1", "A"])
