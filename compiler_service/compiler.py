@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from shared.bm25 import Bm25Index, terms, tool_terms
+from shared.bm25 import Bm25Index, tool_terms
 from shared.catalog import Catalog, CatalogError
 from shared.prompt import PromptTemplate, default_template
 from shared.tokenizer import ModelTokenizer
@@ -62,9 +62,7 @@ def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTempl
     trie = build_trie(tokenize_names(names, tok, template.separator, sep_id), names, sep_id, stop_id)
     by_name = {t.name: t for t in catalog.tools}
     tools = [by_name[n] for n in trie.pointer_names]   # in pointer-id order, as the decoder indexes them
-    # a tool's document: its name, its description, and the requests it answers (its examples)
-    index = Bm25Index.build([tool_terms(t.name, t.description) + [w for x in t.examples for w in terms(x)]
-                             for t in tools])
+    index = Bm25Index.build([tool_terms(t.name, t.description, t.examples) for t in tools])
     trie.extra.update({f"bm25_{a}": getattr(index, a) for a in Bm25Index.ARRAYS})
     trie.meta.update({
         "descriptions": [t.description for t in tools],

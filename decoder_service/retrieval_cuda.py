@@ -15,8 +15,8 @@ import numpy as np
 import ctypes
 
 from decoder_service.model.cuda.intrinsics import WARP, ldf, warp_sum
-from decoder_service.retrieval import MAX_PARTS
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
+from decoder_service.retrieval import MAX_PARTS
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
@@ -117,7 +117,8 @@ class DeviceScorer:
         self.matched_ids = cuda.device_array(n, np.int32)
         self.matched_values = cuda.device_array(n, np.float32)
         pin = np.zeros if SIM else cuda.pinned_array
-        self.host_queries, self.host_ids, self.host_values = pin(MAX_PARTS * dim, np.float32), pin(n, np.int32), pin(n, np.float32)
+        self.host_queries = pin(MAX_PARTS * dim, np.float32)
+        self.host_ids, self.host_values = pin(n, np.int32), pin(n, np.float32)
         self.out_ids, self.out_scores = pin(MAX_N, np.int32), pin(MAX_N, np.float32)
         # the launches, packed once; what changes per request is in these scalars
         self.a, self.k0, self.c = (Scalar(ctypes.c_float) for _ in range(3))

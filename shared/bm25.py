@@ -36,8 +36,10 @@ def terms(text: str) -> list[str]:
     return out
 
 
-def tool_terms(name: str, description: str) -> list[str]:
-    return terms(name) * NAME_BOOST + terms(description)
+def tool_terms(name: str, description: str, examples: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """A tool's BM25 document: its name's terms (NAME_BOOST times), its description's, and those of the
+    requests it answers (its examples)."""
+    return terms(name) * NAME_BOOST + terms(description) + [w for x in examples for w in terms(x)]
 
 
 @dataclass

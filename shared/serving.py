@@ -26,8 +26,8 @@ from shared.tokenizer import TokenizerError
 
 log = logging.getLogger("tooltrie")
 
-# After SIGTERM the server keeps taking calls this long, refusing them (UNAVAILABLE, which clients retry)
-# before it stops taking any: a call already on the wire then reaches a handler instead of being cancelled.
+# After SIGTERM the server keeps taking calls this long before it stops taking any (the decoder refuses them:
+# UNAVAILABLE, which clients retry): a call already on the wire reaches a handler instead of being cancelled.
 REFUSE_SECONDS = 0.5
 RPC_TOTAL = Counter("tooltrie_rpc_total", "RPCs handled, by service, method and status code",
                     ["service", "method", "code"])
