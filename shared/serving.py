@@ -260,10 +260,13 @@ def wait_for_termination(server, health_servicer, service_names: list[str], grac
                          before_stop=None) -> None:
     """Block until SIGTERM/SIGINT, then report NOT_SERVING, refuse new calls for REFUSE_SECONDS, let in-flight
     RPCs finish, and stop."""
-    stop = threading.Event()
+    # The handler only sets a flag: one that takes a lock (Event.set) deadlocks when the signal lands while the
+    # main thread holds that lock inside Event.wait, and the process never drains.
+    stopped = []
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    stop.wait()
+        signal.signal(sig, lambda *_: stopped.append(True))
+    while not stopped:
+        time.sleep(0.1)
     log.info("draining for up to %.0f s", grace)
     if before_stop:
         before_stop()
