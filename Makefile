@@ -73,12 +73,13 @@ fuzz: setup model
 quality: setup model
 	$(PY) -m bench quality
 
-# Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from BM25 fused with
-# all-MiniLM-L6-v2 (tune/shortlist.py). Writes var/tune/ (adapters, merged model, card.json).
+# Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from the service's retriever
+# over each catalog published with its training split as examples (tune/shortlist.py), the selection split kept
+# out. Writes var/tune/ (adapters, merged model, card.json).
 tune: setup model
 	$(PY) -m tune --base $(MODEL_DIR) --out var/tune --sets metatool,toolbench,bigcatalog \
-	    --synthetic --synthetic-per-set 600 --repeat toolbench=2,bigcatalog=2 --epochs 1 --rank 32 --alpha 64 \
-	    --lr 5e-4 --encoder models/all-MiniLM-L6-v2 --seed 0 $(TUNE_ARGS)
+	    --synthetic --synthetic-per-set 600 --repeat toolbench=2,bigcatalog=2 --epochs 2 --rank 32 --alpha 64 \
+	    --lr 5e-4 --encoder $(ENCODER_DIR) --shortlist-cache var/tune/shortlists.json --seed 0 $(TUNE_ARGS)
 	rm -rf $(ADAPTERS) && mkdir -p $(ADAPTERS) && cp var/tune/adapters/* var/tune/card.json $(ADAPTERS)/
 
 # The benchmark against the PyTorch peer (bench/serve.py, `python -m bench`); its extras are installed here only.

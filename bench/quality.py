@@ -3,9 +3,9 @@
     .venv/bin/python -m bench quality [--split validation] [--sample 100] [--weights 1000] [--backend auto]
 
 For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
-(shared/dataset.py; `--split train` to choose settings, never validation), its catalog published with the
-training split's single-tool queries as examples (shared/dataset.registry; on the training split, less the
-queries measured): BM25 top-k, the dense encoder's top-k, their fusion (the decoder's retriever), the share
+(shared/dataset.py; `--split train` or `--split selection` to choose settings, never validation), its catalog
+published with the training split's single-tool queries as examples (shared/dataset.registry; on another split,
+less the queries measured): BM25 top-k, the dense encoder's top-k, their fusion (the decoder's retriever), the share
 of gold tools within the shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through
 the engine (the shortlist in the prompt, the generator constrained to it, the answer's order fused with
 retrieval at each --weights value).
@@ -77,7 +77,7 @@ class Harness:
 
     def run(self, name: str, split: str, n: int, weights: list[float], hold_out: float = 0.0) -> dict:
         queries = sample(dataset.queries(name, split), n)
-        held = frozenset(q.text for q in queries) if split == "train" else frozenset()   # never its own example
+        held = frozenset(q.text for q in queries) if split != "validation" else frozenset()  # never its own example
         new = dataset.held_out([t["name"] for t in json.loads(dataset.catalog_path(name).read_text())], hold_out)
         trie = compile_catalog(parse_registry(dataset.registry(name, held, new)), self.tok)
         trie.meta.update(name=name, version=1)
@@ -147,7 +147,8 @@ def table(results: list[dict]) -> str:
 
 def quality_arguments(p) -> None:
     p.add_argument("--sets", default=",".join(dataset.SETS))
-    p.add_argument("--split", default="validation", choices=["train", "validation"])
+    p.add_argument("--split", default="validation", choices=["train", "selection", "validation"],
+                   help="train or selection (within train) to choose settings; never validation")
     p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
     p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's "
                    "setting; none: the retrievers alone)")
@@ -171,7 +172,7 @@ def quality(args) -> None:
         results.append(harness.run(name, args.split, n, weights, args.hold_out_tools))
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
     device = "h200" if harness.kind == "cuda" else "cpu"
-    suffix = ("" if args.split == "validation" else "_train") + ("_new_tools" if args.hold_out_tools else "")
+    suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
     out = REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,

@@ -1,7 +1,9 @@
 """The labelled tool-discovery data sets beside the repository, and the fixed validation split.
 
 A query is in the validation split iff a stable hash of its normalised text says so (about 25%):
-`tune` never trains on it and `make quality` reports on it. The rule is written down in docs/quality.md.
+`tune` never trains on it and `make quality` reports on it. Of the rest (the training split) another hash
+keeps about 15% as the selection split: the shipped adapters never train on it, and settings that depend on
+the adapters (the fusion weight) are chosen there. The rules are written down in docs/quality.md.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from shared.config import REPO_ROOT
 
 SETS = {"metatool": "MetaTool", "toolbench": "StableToolBench", "bigcatalog": "Seal-Tools"}
 VALIDATION_PERCENT = 25
+SELECTION_PERCENT = 15   # of the training split
+SPLITS = ("train", "selection", "validation", "all")
 
 
 def normalise(query: str) -> str:
@@ -25,6 +29,22 @@ def is_validation(query: str) -> bool:
     """The fixed split: sha256 of "valid:" + the normalised query, its first 8 hex digits mod 100 < 25."""
     digest = hashlib.sha256(("valid:" + normalise(query)).encode("utf-8")).hexdigest()
     return int(digest[:8], 16) % 100 < VALIDATION_PERCENT
+
+
+def is_selection(query: str) -> bool:
+    """Within the training split: sha256 of "select:" + the normalised query, its first 8 hex digits mod 100
+    < 15. Part of the training split (its queries are published as examples), never trained on by `tune`."""
+    digest = hashlib.sha256(("select:" + normalise(query)).encode("utf-8")).hexdigest()
+    return not is_validation(query) and int(digest[:8], 16) % 100 < SELECTION_PERCENT
+
+
+def in_split(query: str, split: str) -> bool:
+    """Whether a query is in the split: "train" (not validation; selection included), "selection",
+    "validation" or "all"."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {', '.join(SPLITS)}, got {split!r}")
+    return {"all": True, "train": not is_validation(query), "selection": is_selection(query),
+            "validation": is_validation(query)}[split]
 
 
 @dataclass(frozen=True)
@@ -54,27 +74,31 @@ def held_out(names: list[str], fraction: float) -> frozenset[str]:
 
 
 def registry(name: str, leave_out: frozenset[str] = frozenset(), new: frozenset[str] = frozenset()) -> str:
-    """A set's catalog as registry JSON whose tools carry, as examples, the training split's queries that ask
-    for that tool alone (less those in leave_out, the queries a run on the training split measures, and none
-    for the tools in `new`): the labelled requests an operator publishes with a catalog, never a validation
-    one."""
+    """A set's catalog as registry JSON, published as `published` says with its training split's queries."""
+    tools = json.loads(catalog_path(name).read_text(encoding="utf-8"))
+    return published(tools, queries(name, "train"), leave_out, new)
+
+
+def published(tools: list[dict], labelled: list[Query], leave_out: frozenset[str] = frozenset(),
+              new: frozenset[str] = frozenset()) -> str:
+    """Registry JSON whose tools carry, besides their own examples, the labelled queries that ask for that
+    tool alone (less those in leave_out, the queries a run measures, and none for the tools in `new`): the
+    labelled requests an operator publishes with a catalog, never a validation one."""
     examples: dict[str, list[str]] = {}
-    for q in queries(name, "train"):
+    for q in labelled:
         if len(q.tools) == 1 and q.text not in leave_out and q.tools[0] not in new:
             examples.setdefault(q.tools[0], []).append(q.text)
-    tools = json.loads(catalog_path(name).read_text(encoding="utf-8"))
-    return json.dumps([{"name": t["name"], "description": t["description"], "examples": examples.get(t["name"], [])}
+    return json.dumps([{"name": t["name"], "description": t.get("description", ""),
+                        "examples": list(t.get("examples") or []) + examples.get(t["name"], [])}
                        for t in tools], ensure_ascii=False)
 
 
 def queries(name: str, split: str = "all") -> list[Query]:
-    """A set's labelled queries: split "train" (never validation), "validation", or "all"."""
-    if split not in ("train", "validation", "all"):
-        raise ValueError(f"split must be train, validation or all, got {split!r}")
-    out = []
-    with open(data_dir() / name / "dev_queries.jsonl", encoding="utf-8") as f:
-        for line in f:
-            q = json.loads(line)
-            if split == "all" or is_validation(q["query"]) == (split == "validation"):
-                out.append(Query(q["query"], tuple(q["tools"])))
-    return out
+    """A set's labelled queries in a split (see in_split)."""
+    return [q for q in read_queries(data_dir() / name / "dev_queries.jsonl") if in_split(q.text, split)]
+
+
+def read_queries(path: Path) -> list[Query]:
+    """Labelled queries in the dev_queries.jsonl format: one {"query", "tools"} object a line."""
+    with open(path, encoding="utf-8") as f:
+        return [Query(q["query"], tuple(q["tools"])) for q in map(json.loads, filter(str.strip, f))]

@@ -20,10 +20,11 @@ from model_fixtures import make_tiny_model  # noqa: E402
 from tokenizer_fixtures import catalog_path, make_tokenizer_dir  # noqa: E402
 from tune import lora, model as tmodel  # noqa: E402
 from tune.__main__ import main as tune_main  # noqa: E402
-from tune.data import Encoder, Source, items, read_queries, split, synthetic, training_items  # noqa: E402
+from shared.dataset import Query, read_queries  # noqa: E402
+from tune.data import Encoder, Source, items, split, synthetic, training_items  # noqa: E402
 from tune.evaluate import decode  # noqa: E402
 from tune.merge import base_fingerprint, merge  # noqa: E402
-from tune.shortlist import Retriever, with_gold  # noqa: E402
+from tune.shortlist import Shortlister, with_gold  # noqa: E402
 from tune.train import train  # noqa: E402
 
 VOCAB = 400
@@ -56,13 +57,25 @@ def test_with_gold_replaces_the_lowest_ranked_non_gold_tool():
     assert with_gold([5, 3], [3]) == [5, 3]
 
 
+def test_a_training_query_is_never_shortlisted_through_its_own_example(setup):
+    tmp, base, source = setup
+    tools = json.loads(source.registry.read_text())
+    query = Query("zqxv wobble frobnicate", (tools[-1]["name"],))
+    shortlister = Shortlister(Encoder(base).tok)
+    published = shortlister.shortlists(tools, [query], frozenset(), [query.text], 3, leave_own_fold=False)[0]
+    assert published[0] == tools[-1]["name"]          # its words are only in that tool's published examples
+    left_out = shortlister.shortlists(tools, [query], frozenset(), [query.text], 3, leave_own_fold=True)[0]
+    assert tools[-1]["name"] not in left_out and len(left_out) == 3
+
+
 def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(setup):
     tmp, base, source = setup
     enc = Encoder(base)
     cat = enc.catalog(source)
     train_q, valid_q = split(cat, read_queries(source.queries))
-    retriever = Retriever()
-    train_items = training_items(cat, train_q + synthetic(cat, train_q, random.Random(0)), 6, 1, retriever)
+    retriever = Shortlister(enc.tok)
+    train_items = (training_items(cat, train_q, 6, 1, retriever)
+                   + training_items(cat, synthetic(cat, train_q, random.Random(0)), 6, 1, retriever, synthetic=True))
     assert all(set(it.gold) <= set(it.shortlist) and len(it.shortlist) == 6 for it in train_items)
 
     torch.manual_seed(0)
@@ -108,7 +121,7 @@ def test_cli_writes_adapters_model_and_card(setup):
     tmp, base, source = setup
     out = tmp / "run"
     tune_main(["--base", str(base), "--out", str(out), "--registry", str(source.registry), "--queries",
-               str(source.queries), "--synthetic", "--retrieval", "bm25", "--shortlist", "6", "--rank", "2", "--alpha", "4",
+               str(source.queries), "--synthetic", "--shortlist", "6", "--rank", "2", "--alpha", "4",
                "--epochs", "1", "--batch-size", "16", "--device", "cpu"])
     card = json.loads((out / "card.json").read_text())
     assert card["data"]["registry"]["registry_sha256"] and card["hyperparameters"]["seed"] == 0

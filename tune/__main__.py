@@ -8,10 +8,10 @@ import sys
 import time
 from pathlib import Path
 
-from shared.dataset import data_dir
-from tune.data import Encoder, Source, held_out_tools, items, read_queries, split, synthetic, training_items
+from shared.dataset import data_dir, read_queries
+from tune.data import Encoder, Source, held_out_tools, items, split, synthetic, training_items
 from tune.merge import base_fingerprint, file_sha256, merge
-from tune.shortlist import DenseEncoder, Retriever
+from tune.shortlist import FOLDS, Shortlister
 
 PAPER_SETS = ("metatool", "toolbench", "bigcatalog")
 
@@ -33,9 +33,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--hold-out-tools", type=float, default=0.0,
                    help="fraction of each catalog's tools kept out of labelled training (reported separately)")
     p.add_argument("--shortlist", type=int, default=20)
-    p.add_argument("--retrieval", choices=("fused", "bm25"), default="fused",
-                   help="shortlists from BM25 fused with the dense encoder (the service's), or BM25 alone")
-    p.add_argument("--encoder", type=Path, help="dense encoder folder (all-MiniLM-L6-v2) for fused shortlists")
+    p.add_argument("--encoder", type=Path, help="the service's dense encoder folder (all-MiniLM-L6-v2); without "
+                   "it, shortlists come from BM25 alone")
+    p.add_argument("--folds", type=int, default=FOLDS, help="a training query is shortlisted over the catalog "
+                   "published without its fold's examples")
     p.add_argument("--shortlist-cache", type=Path, help="JSON cache of shortlists (read, then extended)")
     p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (no adapters written)")
     p.add_argument("--rank", type=int, default=32)
@@ -77,8 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     repeat = {k: int(v) for k, v in (x.split("=") for x in filter(None, args.repeat.split(",")))}
     rng = random.Random(args.seed)
     enc = Encoder(args.base)
-    retriever = Retriever(DenseEncoder(args.encoder, device) if args.encoder else None, args.shortlist_cache,
-                          fused=args.retrieval == "fused")
+    shortlister = Shortlister(enc.tok, args.encoder, args.shortlist_cache, args.folds)
     train_items, valid_items, counts = [], [], {}
     for source in sources_of(args):
         cat = enc.catalog(source)
@@ -89,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
             synth = random.Random(args.seed + 1).sample(synth, args.synthetic_per_set)
         if args.max_validation:
             valid_q = valid_q[:args.max_validation]
-        train_items += training_items(cat, train_q, args.shortlist, repeat.get(source.name, 1), retriever)
-        train_items += training_items(cat, synth, args.shortlist, 1, retriever)
-        valid_items += [it for it in items(cat, valid_q, args.shortlist, retriever) if len(it.gold) <= len(it.shortlist)]
+        train_items += training_items(cat, train_q, args.shortlist, repeat.get(source.name, 1), shortlister)
+        train_items += training_items(cat, synth, args.shortlist, 1, shortlister, synthetic=True)
+        valid_items += [it for it in items(cat, valid_q, args.shortlist, shortlister)
+                        if len(it.gold) <= len(it.shortlist)]
         counts[source.name] = {"tools": len(cat.names), "held_out_tools": len(cat.held_out),
                                "train_queries": len(train_q), "synthetic_queries": len(synth),
                                "repeat": repeat.get(source.name, 1), "validation_queries": len(valid_q)}

@@ -10,24 +10,32 @@ from pathlib import Path
 from compiler_service.compiler import tokenize_names
 from decoder_service.retrieval import written_request
 from shared.catalog import parse_registry
-from shared.dataset import held_out, is_validation
+from shared.dataset import Query, held_out, is_selection, is_validation
 from shared.prompt import default_template
 from shared.tokenizer import ModelTokenizer
-from tune.shortlist import Retriever, with_gold
+from tune.shortlist import Shortlister, with_gold
 
 SYNTHETIC_TEMPLATES = ("{d}", "I need to {d}", "Can you {d}?", "Help me {d}", "Is there a way to {d}?")
 
 
 @dataclass
 class Catalog:
-    """One catalog as the prompt shows it: names, prompt descriptions and each name's answer tokens."""
+    """One catalog as the prompt shows it (names, prompt descriptions, each name's answer tokens), and as it is
+    published for retrieval (its registry's tools with the training split's labelled queries as examples)."""
     name: str
+    tools: list[dict]                                 # the registry's tools
     names: list[str]
     descriptions: list[str]
     name_ids: list[list[int]]
     digest: str                                       # sha256 of the registry file
+    labelled: list[Query] = field(default_factory=list)   # the training split, published as examples
     held_out: frozenset[int] = frozenset()            # tools kept out of every labelled training query
     index: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def new(self) -> frozenset[str]:
+        """The held-out tools' names: published without examples, like tools new to a catalog."""
+        return frozenset(self.names[i] for i in self.held_out)
 
 
 @dataclass
@@ -64,7 +72,7 @@ class Encoder:
         tools = parse_registry(raw).tools
         names = [t.name for t in tools]
         ids = tokenize_names(names, self.tok, self.template.separator, self.sep_id)
-        return Catalog(source.name, names, [t.description for t in tools], ids,
+        return Catalog(source.name, json.loads(raw), names, [t.description for t in tools], ids,
                        hashlib.sha256(raw).hexdigest(), index={n: i for i, n in enumerate(names)})
 
     def prompt(self, item: Item, order: list[int]) -> list[int]:
@@ -87,12 +95,6 @@ class Encoder:
         return self.prompt(item, order), self.answer(item)
 
 
-def read_queries(path: Path) -> list[dict]:
-    """Queries in the dev_queries.jsonl format: one {"query", "tools"} object a line."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def held_out_tools(names: list[str], fraction: float) -> frozenset[int]:
     """The indices of shared.dataset.held_out's tools: a stable fraction of the catalog, by a hash of the name."""
     new = held_out(names, fraction)
@@ -104,30 +106,38 @@ def synthetic_query(description: str, rng: random.Random) -> str:
     return written_request(description, rng.choice(SYNTHETIC_TEMPLATES))
 
 
-def items(catalog: Catalog, queries: list[dict], n: int, retriever: Retriever) -> list[Item]:
-    """Items for queries over a catalog with their retrieved shortlists (gold not inserted)."""
-    lists = retriever.shortlists(catalog.digest, catalog.names, catalog.descriptions, [q["query"] for q in queries], n)
-    return [Item(catalog, q["query"], [catalog.index[t] for t in q["tools"]], [int(i) for i in s],
-                 q.get("synthetic", False)) for q, s in zip(queries, lists)]
+def items(catalog: Catalog, queries: list[Query], n: int, shortlister: Shortlister, leave_own_fold: bool = False,
+          synthetic: bool = False) -> list[Item]:
+    """Items for queries over a catalog with their retrieved shortlists (gold not inserted); leave_own_fold for
+    labelled training queries, whose own examples must not shortlist them."""
+    lists = shortlister.shortlists(catalog.tools, catalog.labelled, catalog.new, [q.text for q in queries], n,
+                                   leave_own_fold)
+    return [Item(catalog, q.text, [catalog.index[t] for t in q.tools], [catalog.index[t] for t in s], synthetic)
+            for q, s in zip(queries, lists)]
 
 
-def split(catalog: Catalog, queries: list[dict]) -> tuple[list[dict], list[dict]]:
-    """(training, validation) queries by the fixed split; training drops queries with a held-out gold tool."""
-    train = [q for q in queries if not is_validation(q["query"])
-             and not any(catalog.index[t] in catalog.held_out for t in q["tools"])]
-    return train, [q for q in queries if is_validation(q["query"])]
+def split(catalog: Catalog, queries: list[Query]) -> tuple[list[Query], list[Query]]:
+    """(training, validation) queries by the fixed splits: training is the training split less the selection
+    split and less queries with a held-out gold tool. Sets the catalog's published examples: the training
+    split (the selection split included: it is published, only not trained on)."""
+    catalog.labelled = [q for q in queries if not is_validation(q.text)]
+    train = [q for q in catalog.labelled if not is_selection(q.text)
+             and not any(catalog.index[t] in catalog.held_out for t in q.tools)]
+    return train, [q for q in queries if is_validation(q.text)]
 
 
-def synthetic(catalog: Catalog, train: list[dict], rng: random.Random) -> list[dict]:
+def synthetic(catalog: Catalog, train: list[Query], rng: random.Random) -> list[Query]:
     """One synthetic query per tool that no training query names (held-out tools included), if described."""
-    named = {t for q in train for t in q["tools"]}
-    return [{"query": synthetic_query(d, rng), "tools": [n], "synthetic": True}
-            for n, d in zip(catalog.names, catalog.descriptions) if n not in named and d.strip()]
+    named = {t for q in train for t in q.tools}
+    return [Query(synthetic_query(d, rng), (n,)) for n, d in zip(catalog.names, catalog.descriptions)
+            if n not in named and d.strip()]
 
 
-def training_items(catalog: Catalog, train: list[dict], n: int, repeat: int, retriever: Retriever) -> list[Item]:
-    """Training items, gold inserted into each shortlist, the set's items repeated `repeat` times."""
-    out = items(catalog, train, n, retriever)
+def training_items(catalog: Catalog, queries: list[Query], n: int, repeat: int, shortlister: Shortlister,
+                   synthetic: bool = False) -> list[Item]:
+    """Training items, gold inserted into each shortlist, the set's items repeated `repeat` times; a labelled
+    query is shortlisted without its own fold's examples."""
+    out = items(catalog, queries, n, shortlister, leave_own_fold=not synthetic, synthetic=synthetic)
     for it in out:
         it.shortlist = with_gold(it.shortlist, it.gold)
     return out * repeat
