@@ -18,7 +18,7 @@ def run_script(script: str, sim: bool, timeout: int = 900) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     if sim:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests")])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])
     proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout,
                           cwd=ROOT)
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
