@@ -157,6 +157,8 @@ def quality_arguments(p) -> None:
     p.add_argument("--backend", default="auto")
     p.add_argument("--hold-out-tools", type=float, default=0.0, help="fraction of each catalog's tools published "
                    "without examples (shared/dataset.held_out), reported apart as new tools")
+    p.add_argument("--out", type=Path, default=None, help="the results file (default: "
+                   "bench/results/quality_<device>[_<split>][_new_tools].json)")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
 
@@ -173,7 +175,7 @@ def quality(args) -> None:
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
     device = "h200" if harness.kind == "cuda" else "cpu"
     suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
-    out = REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
+    out = args.out or REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,

@@ -21,7 +21,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_ENCODER_DIR": (str(DEFAULT_ENCODER_DIR), "the dense retriever's sentence encoder (BERT family, "
                              "Hugging Face layout); empty: BM25 alone"),
     "TOOLTRIE_SHORTLIST": ("20", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
-    "TOOLTRIE_FUSION_WEIGHT": ("2", "decoder: logits one retrieval rank is worth in the answer's order "
+    "TOOLTRIE_FUSION_WEIGHT": ("1", "decoder: logits one retrieval rank is worth in the answer's order "
                                "(0: the generator alone; large: retrieval's order; docs/quality.md)"),
     "TOOLTRIE_COMPILER_ADDR": ("127.0.0.1:50051", "host:port the compiler service listens on"),
     "TOOLTRIE_DECODER_ADDR": ("127.0.0.1:50052", "host:port the decoder service listens on"),
