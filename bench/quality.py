@@ -75,6 +75,16 @@ class Harness:
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
                             self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
 
+    @staticmethod
+    def answers(seqs: list) -> list[list[str]]:
+        """Each finished request's names, checked to be k distinct ones."""
+        out = []
+        for seq in seqs:
+            answer = [e.name for e in list(seq)[:-1]]
+            assert len(answer) == len(set(answer)) == seq.k, f"not k distinct names: {answer}"
+            out.append(answer)
+        return out
+
     def run(self, name: str, split: str, n: int, weights: list[float], hold_out: float = 0.0) -> dict:
         queries = sample(dataset.queries(name, split), n)
         held = frozenset(q.text for q in queries) if split != "validation" else frozenset()  # never its own example
@@ -101,14 +111,12 @@ class Harness:
             engine = self.engine(w)
             rt = engine.load_catalog(trie, retriever)
             engine.run_until_idle()
-            seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s) for q, s in zip(queries, shortlists)]
-            engine.run_until_idle()
-            answers = []
-            for seq in seqs:
-                events = list(seq)
-                answer = [e.name for e in events[:-1]]
-                assert len(answer) == len(set(answer)) == seq.k, f"not k distinct names: {answer}"
-                answers.append(answer)
+            answers, wave = [], engine.config.max_waiting    # the engine's queue bound: submit in waves
+            for start in range(0, len(queries), wave):
+                seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s)
+                        for q, s in zip(queries[start:start + wave], shortlists[start:start + wave])]
+                engine.run_until_idle()
+                answers += self.answers(seqs)
             lists[f"tooltrie w={w:g}"] = answers
         rows = {}
         for method, answers in lists.items():
