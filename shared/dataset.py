@@ -25,17 +25,20 @@ def normalise(query: str) -> str:
     return " ".join(query.split()).casefold()
 
 
+def bucket(salt: str, text: str, buckets: int = 100) -> int:
+    """A stable bucket of a text: sha256 of salt + text, its first 8 hex digits mod `buckets`."""
+    return int(hashlib.sha256((salt + text).encode("utf-8")).hexdigest()[:8], 16) % buckets
+
+
 def is_validation(query: str) -> bool:
     """The fixed split: sha256 of "valid:" + the normalised query, its first 8 hex digits mod 100 < 25."""
-    digest = hashlib.sha256(("valid:" + normalise(query)).encode("utf-8")).hexdigest()
-    return int(digest[:8], 16) % 100 < VALIDATION_PERCENT
+    return bucket("valid:", normalise(query)) < VALIDATION_PERCENT
 
 
 def is_selection(query: str) -> bool:
     """Within the training split: sha256 of "select:" + the normalised query, its first 8 hex digits mod 100
     < 15. Part of the training split (its queries are published as examples), never trained on by `tune`."""
-    digest = hashlib.sha256(("select:" + normalise(query)).encode("utf-8")).hexdigest()
-    return not is_validation(query) and int(digest[:8], 16) % 100 < SELECTION_PERCENT
+    return not is_validation(query) and bucket("select:", normalise(query)) < SELECTION_PERCENT
 
 
 def in_split(query: str, split: str) -> bool:
@@ -69,8 +72,7 @@ def held_out(names: list[str], fraction: float) -> frozenset[str]:
     """A stable `fraction` of a catalog's tool names, chosen by a hash of the name: tools treated as new to
     the catalog (no labelled query trains or describes them), so that quality on them can be reported."""
     cut = int(fraction * 10_000)
-    return frozenset(n for n in names if int(hashlib.sha256(("holdout:" + n).encode()).hexdigest()[:8], 16)
-                     % 10_000 < cut)
+    return frozenset(n for n in names if bucket("holdout:", n, 10_000) < cut)
 
 
 def registry(name: str, leave_out: frozenset[str] = frozenset(), new: frozenset[str] = frozenset()) -> str:

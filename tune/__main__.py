@@ -93,7 +93,11 @@ def main(argv: list[str] | None = None) -> None:
         train_items += training_items(cat, synth, args.shortlist, 1, shortlister, synthetic=True)
         valid_items += [it for it in items(cat, valid_q, args.shortlist, shortlister)
                         if len(it.gold) <= len(it.shortlist)]
+        found = items(cat, train_q, args.shortlist, shortlister, leave_own_fold=True)   # cached: no recompute
         counts[source.name] = {"tools": len(cat.names), "held_out_tools": len(cat.held_out),
+                               "train_gold_in_shortlist": round(sum(len(set(it.gold) & set(it.shortlist))
+                                                                    / len(it.gold) for it in found) / len(found), 4)
+                               if found else None,
                                "train_queries": len(train_q), "synthetic_queries": len(synth),
                                "repeat": repeat.get(source.name, 1), "validation_queries": len(valid_q)}
         print(f"{source.name}: {counts[source.name]}", flush=True)

@@ -10,7 +10,7 @@ import numpy as np
 from compiler_service.compiler import compile_catalog
 from decoder_service.retrieval import VECTORS_RECIPE, Retriever, bm25_index, computed_vectors
 from shared.catalog import parse_registry
-from shared.dataset import Query, normalise, published
+from shared.dataset import Query, bucket, normalise, published
 from shared.tokenizer import ModelTokenizer
 
 FOLDS = 4   # a training query's shortlist comes from the catalog published without its fold's examples
@@ -18,7 +18,7 @@ FOLDS = 4   # a training query's shortlist comes from the catalog published with
 
 def fold_of(query: str, folds: int = FOLDS) -> int:
     """A query's fold: a stable hash of its normalised text."""
-    return int(hashlib.sha256(("fold:" + normalise(query)).encode()).hexdigest()[:8], 16) % folds
+    return bucket("fold:", normalise(query), folds)
 
 
 class CachedEncoder:
