@@ -24,13 +24,12 @@ import numpy as np
 from compiler_service.compiler import compile_catalog
 from decoder_service.encoder import load_encoder
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
-from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
+from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
 from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors,
                                         intent_parts, top_n)
-from decoder_service.server import device_name
 from shared import dataset
 from shared.catalog import parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings

@@ -131,7 +131,7 @@ def build_engine(settings: Settings):
     """Model, backend, KV pool, engine and the retriever's encoder from the settings; returns (engine,
     encoder or None, info for GetInfo)."""
     from decoder_service.encoder import load_encoder
-    from decoder_service.model.backend import make_backend, resolve_backend, weights_dtype
+    from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
@@ -151,15 +151,6 @@ def build_engine(settings: Settings):
     info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind),
             "encoder": encoder.name if encoder else ""}
     return engine, encoder, info
-
-
-def device_name(kind: str) -> str:
-    """What GetInfo reports as the device: the GPU's name, or the CPU's core count."""
-    if kind == "cuda":
-        from numba import cuda
-        name = cuda.get_current_device().name
-        return name.decode() if isinstance(name, bytes) else str(name)
-    return f"cpu ({os.cpu_count()} cores)"
 
 
 def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:

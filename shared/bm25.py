@@ -7,8 +7,7 @@ Names are split where a person would read words (camelCase, `_`, `-`, `::`, digi
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from functools import cached_property
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import njit
@@ -49,7 +48,14 @@ class Bm25Index:
     doc: np.ndarray               # int32 [postings]: tool (pointer) id
     weight: np.ndarray            # float32 [postings]: idf * tf (k1 + 1) / (tf + k1 (1 - b + b dl / avgdl))
 
+    lookup: dict[str, int] = field(init=False, repr=False, compare=False)   # term -> id
+
     ARRAYS = ("term_start", "doc", "weight")
+
+    def __post_init__(self):
+        """The term lookup is built with the index, not at its first query: a version's first request then
+        costs what the others do."""
+        self.lookup = {t: i for i, t in enumerate(self.terms)}
 
     @classmethod
     def build(cls, docs: list[list[str]]) -> "Bm25Index":
@@ -86,14 +92,10 @@ class Bm25Index:
 
     def _accumulated(self, query: str, n_docs: int) -> tuple[np.ndarray, np.ndarray]:
         """(every tool's score, the ids of the tools the query's postings touched)."""
-        term_ids = np.asarray(sorted({self._lookup.get(t, -1) for t in terms(query)} - {-1}), np.int32)
+        term_ids = np.asarray(sorted({self.lookup.get(t, -1) for t in terms(query)} - {-1}), np.int32)
         out, touched = np.zeros(n_docs, np.float32), np.empty(n_docs, np.int32)
         n = _accumulate(term_ids, self.term_start, self.doc, self.weight, out, touched)
         return out, touched[:n]
-
-    @cached_property
-    def _lookup(self) -> dict[str, int]:
-        return {t: i for i, t in enumerate(self.terms)}
 
     def check(self, n_docs: int) -> None:
         """Refuse an index whose arrays do not describe postings of n_docs tools (a corrupt blob)."""

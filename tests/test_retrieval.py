@@ -34,6 +34,13 @@ def test_bm25_ranks_the_tool_that_says_it():
     assert index.matched("nothing matches this", len(docs))[0].size == 0
 
 
+def test_an_index_read_from_its_arrays_is_ready_before_its_first_query():
+    built = Bm25Index.build([tool_terms("WeatherNow", "current weather"), tool_terms("Recipes", "cooking recipes")])
+    read = Bm25Index(built.terms, built.term_start, built.doc, built.weight)   # as a decoder reads a blob
+    assert read.lookup == {t: i for i, t in enumerate(built.terms)}   # a version's first request builds nothing
+    assert np.array_equal(read.scores("weather", 2), built.scores("weather", 2))
+
+
 def test_a_corrupt_index_is_refused():
     index = Bm25Index.build([["a", "b"], ["b"]])
     bad = Bm25Index(index.terms, index.term_start, index.doc.copy(), index.weight)

@@ -55,6 +55,8 @@ def test_with_gold_replaces_the_lowest_ranked_non_gold_tool():
     assert with_gold([5, 3, 9, 1], [7]) == [5, 3, 9, 7]
     assert with_gold([5, 3, 9, 1], [1, 8]) == [5, 3, 8, 1]
     assert with_gold([5, 3], [3]) == [5, 3]
+    placed = {tuple(with_gold([5, 3, 9, 1], [7], random.Random(s))) for s in range(40)}
+    assert {p.index(7) for p in placed} == {0, 1, 2, 3} and all(sorted(p) == [3, 5, 7, 9] for p in placed)
 
 
 def test_a_training_query_is_never_shortlisted_through_its_own_example(setup):
@@ -72,17 +74,19 @@ def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(se
     tmp, base, source = setup
     enc = Encoder(base)
     cat = enc.catalog(source)
-    train_q, valid_q = split(cat, read_queries(source.queries))
-    retriever = Shortlister(enc.tok)
-    train_items = (training_items(cat, train_q, 6, 1, retriever)
-                   + training_items(cat, synthetic(cat, train_q, random.Random(0)), 6, 1, retriever, synthetic=True))
+    train_q, _, valid_q = split(cat, read_queries(source.queries))
+    retriever, place = Shortlister(enc.tok), random.Random(1)
+    train_items = (training_items(cat, train_q, 6, 1, retriever, place)
+                   + training_items(cat, synthetic(cat, train_q, random.Random(0)), 6, 1, retriever, place,
+                                    synthetic=True))
     assert all(set(it.gold) <= set(it.shortlist) and len(it.shortlist) == 6 for it in train_items)
 
     torch.manual_seed(0)
     net = tmodel.load(base, "cpu")
     lora.add_lora(net, rank=4, alpha=8.0)
     assert all(("lora_" in n) == p.requires_grad for n, p in net.named_parameters())
-    losses = train(net, enc, train_items, epochs=6, batch_size=8, lr=2e-2, seed=0, device="cpu", log=lambda m: None)
+    losses = train(net, enc, train_items, epochs=6, batch_size=8, lr=2e-2, seed=0, device="cpu", shuffled=0.5,
+                   log=lambda m: None)
     first, last = np.mean(losses[:3]), np.mean(losses[-3:])
     assert last < 0.7 * first, (first, last)
 
@@ -126,7 +130,20 @@ def test_cli_writes_adapters_model_and_card(setup):
     card = json.loads((out / "card.json").read_text())
     assert card["data"]["registry"]["registry_sha256"] and card["hyperparameters"]["seed"] == 0
     assert set(card["validation"]["registry"]) >= {"recall", "retriever_recall", "shortlist_ceiling"}
+    assert card["examples"]["registry"]["selection_queries"] == sum(
+        q["queries"] for q in card["selection"].values())
     assert card["adapter_bytes"] == sum(p.stat().st_size for p in (out / "adapters").glob("*.safetensors"))
     cfg = ModelConfig.from_dir(out / "model")
     load_weights(out / "model", cfg, "float32", progress=False)
     assert (out / "model" / "tokenizer.json").is_file()
+
+
+def test_evaluate_only_reports_both_splits_and_writes_nothing(setup, capsys):
+    tmp, base, source = setup
+    out = tmp / "evaluated"
+    tune_main(["--base", str(base), "--out", str(out), "--registry", str(source.registry), "--queries",
+               str(source.queries), "--shortlist", "6", "--evaluate-only", "--device", "cpu"])
+    printed = capsys.readouterr().out
+    report = json.loads(printed[printed.index("\n{\n") + 1:])
+    assert report["selection"]["registry"]["queries"] > 0 and report["validation"]["registry"]["queries"] > 0
+    assert not out.exists()

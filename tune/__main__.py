@@ -38,6 +38,10 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--folds", type=int, default=FOLDS, help="a training query is shortlisted over the catalog "
                    "published without its fold's examples")
     p.add_argument("--shortlist-cache", type=Path, help="JSON cache of shortlists (read, then extended)")
+    p.add_argument("--shuffled", type=float, default=0.0, help="share of training prompts whose shortlist is "
+                   "shuffled each epoch; the rest list it in retrieval order, as served")
+    p.add_argument("--evaluate-only", action="store_true", help="evaluate --base on the selection and validation "
+                   "splits, train nothing")
     p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (no adapters written)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--alpha", type=float, default=64.0)
@@ -66,6 +70,11 @@ def sources_of(args) -> list[Source]:
     return out
 
 
+def answerable(found: list) -> list:
+    """The items whose k fits their shortlist."""
+    return [it for it in found if len(it.gold) <= len(it.shortlist)]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
@@ -76,47 +85,53 @@ def main(argv: list[str] | None = None) -> None:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     repeat = {k: int(v) for k, v in (x.split("=") for x in filter(None, args.repeat.split(",")))}
-    rng = random.Random(args.seed)
+    rng, place = random.Random(args.seed), random.Random(args.seed + 2)
     enc = Encoder(args.base)
     shortlister = Shortlister(enc.tok, args.encoder, args.shortlist_cache, args.folds)
-    train_items, valid_items, counts = [], [], {}
+    train_items, select_items, valid_items, counts = [], [], [], {}
     for source in sources_of(args):
         cat = enc.catalog(source)
         cat.held_out = held_out_tools(cat.names, args.hold_out_tools)
-        train_q, valid_q = split(cat, read_queries(source.queries))
+        train_q, select_q, valid_q = split(cat, read_queries(source.queries))
         synth = synthetic(cat, train_q, rng) if args.synthetic else []
         if args.synthetic_per_set and len(synth) > args.synthetic_per_set:
             synth = random.Random(args.seed + 1).sample(synth, args.synthetic_per_set)
         if args.max_validation:
             valid_q = valid_q[:args.max_validation]
-        train_items += training_items(cat, train_q, args.shortlist, repeat.get(source.name, 1), shortlister)
-        train_items += training_items(cat, synth, args.shortlist, 1, shortlister, synthetic=True)
-        valid_items += [it for it in items(cat, valid_q, args.shortlist, shortlister)
-                        if len(it.gold) <= len(it.shortlist)]
+        train_items += training_items(cat, train_q, args.shortlist, repeat.get(source.name, 1), shortlister, place)
+        train_items += training_items(cat, synth, args.shortlist, 1, shortlister, place, synthetic=True)
+        valid_items += answerable(items(cat, valid_q, args.shortlist, shortlister))
+        select_items += answerable(items(cat, select_q, args.shortlist, shortlister, leave_own_fold=True))
         found = items(cat, train_q, args.shortlist, shortlister, leave_own_fold=True)   # cached: no recompute
         counts[source.name] = {"tools": len(cat.names), "held_out_tools": len(cat.held_out),
                                "train_gold_in_shortlist": round(sum(len(set(it.gold) & set(it.shortlist))
                                                                     / len(it.gold) for it in found) / len(found), 4)
                                if found else None,
                                "train_queries": len(train_q), "synthetic_queries": len(synth),
-                               "repeat": repeat.get(source.name, 1), "validation_queries": len(valid_q)}
+                               "repeat": repeat.get(source.name, 1), "selection_queries": len(select_q),
+                               "validation_queries": len(valid_q)}
         print(f"{source.name}: {counts[source.name]}", flush=True)
     if args.max_train:
         train_items = random.Random(args.seed).sample(train_items, min(args.max_train, len(train_items)))
 
-    print(f"{len(train_items)} training items, {len(valid_items)} validation queries", flush=True)
+    print(f"{len(train_items)} training items, {len(select_items)} selection and {len(valid_items)} validation "
+          "queries", flush=True)
     if args.prepare_only:
         return
     torch.manual_seed(args.seed)
     net = tmodel.load(args.base, device)
+    if args.evaluate_only:
+        print(json.dumps({"selection": evaluate(net, enc, select_items, device),
+                          "validation": evaluate(net, enc, valid_items, device)}, indent=1), flush=True)
+        return
     if not args.full:
         lora.add_lora(net, args.rank, args.alpha)
     started = time.perf_counter()
     losses = train(net, enc, train_items, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                   seed=args.seed, device=device, log=lambda m: print(m, flush=True))
+                   seed=args.seed, device=device, shuffled=args.shuffled, log=lambda m: print(m, flush=True))
     seconds = time.perf_counter() - started
-    validation = evaluate(net, enc, valid_items, device)
-    print(json.dumps(validation, indent=1), flush=True)
+    selection, validation = evaluate(net, enc, select_items, device), evaluate(net, enc, valid_items, device)
+    print(json.dumps({"selection": selection, "validation": validation}, indent=1), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)
     base = {"name": args.base.name, "fingerprint": base_fingerprint(args.base),
@@ -130,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
         merge(args.base, args.out / "adapters", args.out / "model")
     hyper = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_card(args.out / "card.json", sources=sources_of(args), base=base, args=hyper, counts=counts,
-               losses=losses, seconds=seconds, validation=validation, extra=extra)
+               losses=losses, seconds=seconds, selection=selection, validation=validation, extra=extra)
     print(f"wrote {args.out} (train {seconds:.0f} s)", file=sys.stderr)
 
 

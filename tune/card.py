@@ -1,4 +1,4 @@
-"""The run's card: what was trained on (digests), how (seed, hyperparameters), and how well (validation)."""
+"""The run's card: what was trained on (digests), how (seed, hyperparameters), and how well (selection, validation)."""
 from __future__ import annotations
 
 import json
@@ -9,9 +9,9 @@ from tune.merge import file_sha256
 
 
 def write_card(out: Path, *, sources, base: dict, args: dict, counts: dict, losses: list[float],
-               seconds: float, validation: dict, extra: dict | None = None) -> dict:
+               seconds: float, selection: dict, validation: dict, extra: dict | None = None) -> dict:
     """Write `out` (JSON) and return it: data digests, base model, arguments, example counts, the loss at the
-    start and end, training time, validation metrics."""
+    start and end, training time, the selection and validation splits' metrics."""
     import torch
     import transformers
     head = losses[: max(1, len(losses) // 20)]
@@ -26,6 +26,7 @@ def write_card(out: Path, *, sources, base: dict, args: dict, counts: dict, loss
         "loss_first_5pct": round(sum(head) / len(head), 4) if losses else None,
         "loss_last_5pct": round(sum(tail) / len(tail), 4) if losses else None,
         "train_seconds": round(seconds, 1),
+        "selection": selection,
         "validation": validation,
         "software": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__},

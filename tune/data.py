@@ -88,10 +88,11 @@ class Encoder:
             out += item.catalog.name_ids[g] + [self.sep_id if j + 1 < len(item.gold) else self.stop_id]
         return out
 
-    def example(self, item: Item, rng: random.Random) -> tuple[list[int], list[int]]:
-        """(prompt ids, answer ids) with the shortlist in a fresh random order."""
+    def example(self, item: Item, rng: random.Random, shuffle: bool = True) -> tuple[list[int], list[int]]:
+        """(prompt ids, answer ids), the shortlist in a fresh random order or (shuffle False) as retrieved."""
         order = list(item.shortlist)
-        rng.shuffle(order)
+        if shuffle:
+            rng.shuffle(order)
         return self.prompt(item, order), self.answer(item)
 
 
@@ -116,14 +117,14 @@ def items(catalog: Catalog, queries: list[Query], n: int, shortlister: Shortlist
             for q, s in zip(queries, lists)]
 
 
-def split(catalog: Catalog, queries: list[Query]) -> tuple[list[Query], list[Query]]:
-    """(training, validation) queries by the fixed splits: training is the training split less the selection
-    split and less queries with a held-out gold tool. Sets the catalog's published examples: the training
-    split (the selection split included: it is published, only not trained on)."""
+def split(catalog: Catalog, queries: list[Query]) -> tuple[list[Query], list[Query], list[Query]]:
+    """(training, selection, validation) queries by the fixed splits: training is the training split less the
+    selection split and less queries with a held-out gold tool. Sets the catalog's published examples: the
+    training split (the selection split included: it is published, only not trained on)."""
     catalog.labelled = [q for q in queries if not is_validation(q.text)]
     train = [q for q in catalog.labelled if not is_selection(q.text)
              and not any(catalog.index[t] in catalog.held_out for t in q.tools)]
-    return train, [q for q in queries if is_validation(q.text)]
+    return train, [q for q in catalog.labelled if is_selection(q.text)], [q for q in queries if is_validation(q.text)]
 
 
 def synthetic(catalog: Catalog, train: list[Query], rng: random.Random) -> list[Query]:
@@ -134,10 +135,10 @@ def synthetic(catalog: Catalog, train: list[Query], rng: random.Random) -> list[
 
 
 def training_items(catalog: Catalog, queries: list[Query], n: int, repeat: int, shortlister: Shortlister,
-                   synthetic: bool = False) -> list[Item]:
-    """Training items, gold inserted into each shortlist, the set's items repeated `repeat` times; a labelled
-    query is shortlisted without its own fold's examples."""
+                   rng: random.Random, synthetic: bool = False) -> list[Item]:
+    """Training items, gold inserted into each shortlist (at a position drawn from rng), the set's items repeated
+    `repeat` times; a labelled query is shortlisted without its own fold's examples."""
     out = items(catalog, queries, n, shortlister, leave_own_fold=not synthetic, synthetic=synthetic)
     for it in out:
-        it.shortlist = with_gold(it.shortlist, it.gold)
+        it.shortlist = with_gold(it.shortlist, it.gold, rng)
     return out * repeat

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from pathlib import Path
 
 import numpy as np
@@ -93,12 +94,14 @@ class Shortlister:
         return hashlib.sha256(f"{digest}|{query}".encode()).hexdigest()[:24]
 
 
-def with_gold(shortlist: list[int], gold: list[int]) -> list[int]:
-    """The shortlist with every gold tool in it: a missing one replaces the lowest-ranked non-gold tool."""
+def with_gold(shortlist: list[int], gold: list[int], rng: random.Random | None = None) -> list[int]:
+    """The shortlist with every gold tool in it: the lowest-ranked non-gold tool gives way to a missing one,
+    which takes a random position (with rng; else the freed one) so that no rank is where inserted gold sits."""
     ids = list(shortlist)
-    for g in (g for g in gold if g not in shortlist):
-        for pos in range(len(ids) - 1, -1, -1):
-            if ids[pos] not in gold:
-                ids[pos] = g
-                break
+    for g in (g for g in gold if g not in ids):
+        pos = max((p for p, i in enumerate(ids) if i not in gold), default=None)
+        if pos is None:
+            break
+        del ids[pos]
+        ids.insert(rng.randrange(len(ids) + 1) if rng else pos, g)
     return ids

@@ -1,4 +1,4 @@
-"""The training loop: answer-token cross-entropy over shuffled shortlist prompts, AdamW, warmup then cosine."""
+"""The training loop: answer-token cross-entropy over shortlist prompts, AdamW, warmup then cosine."""
 from __future__ import annotations
 
 import contextlib
@@ -44,9 +44,10 @@ def lr_at(step: int, total: int, peak: float, warmup: float = 0.05, floor: float
 
 
 def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: int, lr: float, seed: int,
-          device: str, log=print) -> list[float]:
-    """Train the model's trainable parameters; returns each step's loss. Every epoch reshuffles the items
-    and each item's shortlist order (one `random.Random(seed)` drives both)."""
+          device: str, shuffled: float = 0.0, log=print) -> list[float]:
+    """Train the model's trainable parameters; returns each step's loss. Every epoch reshuffles the items, and
+    the shortlist order of a `shuffled` share of them (the rest keep retrieval order, as served, so that the
+    selector learns how far to trust the rank); one `random.Random(seed)` drives both."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -61,7 +62,8 @@ def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: in
         order = list(items)
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            examples = [enc.example(it, rng) for it in order[s * batch_size:(s + 1) * batch_size]]
+            examples = [enc.example(it, rng, shuffled >= 1 or (shuffled > 0 and rng.random() < shuffled))
+                        for it in order[s * batch_size:(s + 1) * batch_size]]
             ids, mask, where, targets = batch_tensors(examples, enc.stop_id, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(len(losses), total, lr)

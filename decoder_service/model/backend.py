@@ -1,6 +1,8 @@
 """Choosing a backend: cuda where a real GPU is usable, cpu otherwise; either can be forced."""
 from __future__ import annotations
 
+import os
+
 from .config import ModelConfig, ModelError
 from .kv_pool import KVPoolSpec
 from .weights import Weights
@@ -59,3 +61,12 @@ def make_backend(cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, backen
     from .cuda.backend import CudaBackend
 
     return CudaBackend(cfg, weights, kv_spec, **cuda_options)
+
+
+def device_name(kind: str) -> str:
+    """What GetInfo reports as the device: the GPU's name, or the CPU's core count."""
+    if kind == "cuda":
+        from numba import cuda
+        name = cuda.get_current_device().name
+        return name.decode() if isinstance(name, bytes) else str(name)
+    return f"cpu ({os.cpu_count()} cores)"
