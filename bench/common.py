@@ -2,6 +2,7 @@
 backend, the step batches of a cached prefix, and the CUDA-event timer."""
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +33,15 @@ MODELS = {
         "num_key_value_heads": 8, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "max_position_embeddings": 40960, "tie_word_embeddings": True, "hidden_act": "silu"},
 }
+
+
+def device_label(kind: str) -> str:
+    """The results files' device word: the GPU's model ("h100", "h200") on the cuda backend, else "cpu"."""
+    if kind != "cuda":
+        return "cpu"
+    from decoder_service.model.backend import device_name
+    found = re.search(r"\b([A-Z]\d{2,4})\b", device_name("cuda"))
+    return found.group(1).lower() if found else "gpu"
 
 
 def log(*a) -> None:

@@ -22,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from compiler_service.compiler import compile_catalog
+from bench.common import device_label
 from decoder_service.encoder import load_encoder
+from decoder_service.engine.fusion import tuned_tools
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
 from decoder_service.model.config import ModelConfig
@@ -69,10 +71,16 @@ class Harness:
         self.cfg, self.tok = cfg, ModelTokenizer(model_dir)
         self.encoder = load_encoder(encoder_dir, self.kind)
         self.dense_weight = dense_weight
+        self.tuned_tools = tuned_tools(model_dir)
 
-    def engine(self, weight: float) -> DecodeEngine:
+    def engine(self, weight: float | None) -> DecodeEngine:
+        """An engine answering at `weight` whatever the catalog, or (None) at the service's settings: the tuned
+        weight for a catalog the model was tuned on, the unseen one for another (engine.fusion)."""
+        settings = Settings()
+        config = (EngineConfig(fusion_weight=weight) if weight is not None else EngineConfig(
+            fusion_weight=settings.fusion_weight, fusion_weight_unseen=settings.fusion_weight_unseen))
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
-                            self.cfg.max_position_embeddings, EngineConfig(fusion_weight=weight))
+                            self.cfg.max_position_embeddings, config, self.tuned_tools)
 
     @staticmethod
     def answers(seqs: list) -> list[list[str]]:
@@ -84,7 +92,7 @@ class Harness:
             out.append(answer)
         return out
 
-    def run(self, name: str, split: str, n: int, weights: list[float], hold_out: float = 0.0) -> dict:
+    def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0) -> dict:
         queries = sample(dataset.queries(name, split), n)
         held = frozenset(q.text for q in queries) if split != "validation" else frozenset()  # never its own example
         new = dataset.held_out([t["name"] for t in json.loads(dataset.catalog_path(name).read_text())], hold_out)
@@ -116,7 +124,7 @@ class Harness:
                         for q, s in zip(queries[start:start + wave], shortlists[start:start + wave])]
                 engine.run_until_idle()
                 answers += self.answers(seqs)
-            lists[f"tooltrie w={w:g}"] = answers
+            lists[f"tooltrie w={rt.fusion_weight:g}"] = answers
         rows = {}
         for method, answers in lists.items():
             by_k = defaultdict(list)
@@ -158,7 +166,7 @@ def quality_arguments(p) -> None:
                    help="train or selection (within train) to choose settings; never validation")
     p.add_argument("--sample", type=int, default=None, help="queries per set (default: 100 on the CPU, all on a GPU)")
     p.add_argument("--weights", default=None, help="fusion weights, comma-separated (default: the service's "
-                   "setting; none: the retrievers alone)")
+                   "settings, by whether the model was tuned on the catalog; none: the retrievers alone)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--encoder", default=Settings().encoder_dir)
     p.add_argument("--backend", default="auto")
@@ -172,7 +180,7 @@ def quality_arguments(p) -> None:
 
 def quality(args) -> None:
     weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
-               else [Settings().fusion_weight])
+               else [None])
     harness = Harness(args.model, args.encoder, args.backend, args.dense_weight)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
@@ -180,12 +188,12 @@ def quality(args) -> None:
     for name in args.sets.split(","):
         results.append(harness.run(name, args.split, n, weights, args.hold_out_tools))
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
-    device = "h200" if harness.kind == "cuda" else "cpu"
+    device = device_label(harness.kind)
     suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
     out = args.out or REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
-                               "shortlist": SHORTLIST, "weights": weights,
+                               "shortlist": SHORTLIST, "weights": ["service" if w is None else w for w in weights],
                                "hold_out_tools": args.hold_out_tools, "results": results}, indent=1) + "\n")
     print(table(results))

@@ -37,8 +37,8 @@ from pathlib import Path
 import numpy as np
 
 from bench import report
-from bench.common import (BLOCK, MAX_SEQS, RESULTS, copy_bandwidth, has_gpu, host_copy_bandwidth, log,
-                          make_backend, model_for)
+from bench.common import (BLOCK, MAX_SEQS, RESULTS, copy_bandwidth, device_label, has_gpu, host_copy_bandwidth,
+                          log, make_backend, model_for)
 from bench.workload import EngineDriver, large_catalog, load_workload
 from decoder_service.encoder import load_encoder
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
@@ -297,7 +297,7 @@ def serve(args) -> None:
 def _serve(args) -> None:
     run_args = {k: v for k, v in vars(args).items() if k not in ("command", "count_graphs")}  # as recorded
     gpu = has_gpu()
-    device = "h200" if gpu else "cpu"
+    device = device_label("cuda" if gpu else "cpu")
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
     res = {"device": report.device_name(gpu), "python": platform.python_version(), "args": run_args,
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": {}}

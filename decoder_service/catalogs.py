@@ -193,8 +193,8 @@ class CatalogManager:
             with self._lock:
                 self.loaded[key] = rt
                 VERSIONS_LOADED.set(len(self.loaded))
-            log.info("loaded %s v%d: %d tools, %d prefix tokens warm in %.2f s", name, version,
-                     len(trie.pointer_names), len(rt.prefix_ids), rt.warm_seconds)
+            log.info("loaded %s v%d: %d tools, %d prefix tokens warm in %.2f s, fusion weight %g", name, version,
+                     len(trie.pointer_names), len(rt.prefix_ids), rt.warm_seconds, rt.fusion_weight)
             return rt
         finally:
             with self._lock:

@@ -131,6 +131,7 @@ def build_engine(settings: Settings):
     """Model, backend, KV pool, engine and the retriever's encoder from the settings; returns (engine,
     encoder or None, info for GetInfo)."""
     from decoder_service.encoder import load_encoder
+    from decoder_service.engine.fusion import tuned_tools
     from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.kv_pool import KVPoolSpec
@@ -146,7 +147,9 @@ def build_engine(settings: Settings):
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
                           config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting,
-                                              shortlist=settings.shortlist, fusion_weight=settings.fusion_weight))
+                                              shortlist=settings.shortlist, fusion_weight=settings.fusion_weight,
+                                              fusion_weight_unseen=settings.fusion_weight_unseen),
+                          tuned_tools=tuned_tools(settings.model_dir))
     encoder = load_encoder(settings.encoder_dir, kind) if settings.encoder_dir else None
     info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind),
             "encoder": encoder.name if encoder else ""}

@@ -25,9 +25,11 @@ def tiny_backend(tmp_path, vocab_size: int, num_blocks: int, seed: int = 0, max_
     return CpuBackend(cfg, load_weights(model_dir, cfg, "float32"), KVPoolSpec(num_blocks, BLOCK_SIZE))
 
 
-def make_engine(backend, tok: ModelTokenizer, num_blocks: int, **config) -> DecodeEngine:
+def make_engine(backend, tok: ModelTokenizer, num_blocks: int, tuned_tools: frozenset[str] = frozenset(),
+                **config) -> DecodeEngine:
     return DecodeEngine(backend, tok, num_blocks=num_blocks, block_size=BLOCK_SIZE,
-                        max_positions=backend.cfg.max_position_embeddings, config=EngineConfig(**config))
+                        max_positions=backend.cfg.max_position_embeddings, config=EngineConfig(**config),
+                        tuned_tools=tuned_tools)
 
 
 def metatool_trie(tok: ModelTokenizer, first: int | None = None):

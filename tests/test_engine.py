@@ -328,6 +328,28 @@ def test_a_large_fusion_weight_answers_in_retrieval_order(backend, tok, catalog)
     assert differ > 0   # the generator alone orders them otherwise
 
 
+def test_a_catalog_the_selector_was_not_tuned_on_answers_in_retrieval_order(backend, tok, catalog):
+    """The unseen weight (the floor's) holds for a version whose tools the model was not tuned on; the tuned
+    weight (here 0: the generator alone) for one whose tools it was."""
+    names = catalog.trie.pointer_names
+    eng = make_engine(backend, tok, NUM_BLOCKS, tuned_tools=frozenset(names), fusion_weight=0.0,
+                      fusion_weight_unseen=1000.0)
+    known = eng.load_catalog(catalog.trie)
+    eng.tuned_tools = frozenset({"Other"})      # as if the model had been tuned on another catalog
+    unseen = eng.load_catalog(catalog.trie)
+    eng.run_until_idle()
+    assert known.fusion_weight == 0.0 and unseen.fusion_weight == 1000.0
+    differ = 0
+    for intent in INTENTS:
+        shortlist = eng.retrieve(unseen, intent, 3)
+        seqs = [eng.submit(rt, intent, 3, shortlist=shortlist) for rt in (known, unseen)]
+        eng.run_until_idle()
+        tuned, floor = (answer(s)[0] for s in seqs)
+        assert floor == [names[i] for i in shortlist.ids[:3]]
+        differ += tuned != floor
+    assert differ > 0
+
+
 def test_edge_prior_is_the_best_prior_left_below_an_edge():
     allow = np.asarray([2, 5, 7, 9], np.int32)
     prior = np.asarray([-3.0, -1.0, -0.0, -2.0], np.float32)

@@ -18,6 +18,7 @@ from decoder_service.model.reference import ReferenceModel  # noqa: E402
 from decoder_service.model.weights import load_weights  # noqa: E402
 from model_fixtures import make_tiny_model  # noqa: E402
 from tokenizer_fixtures import catalog_path, make_tokenizer_dir  # noqa: E402
+from decoder_service.engine.fusion import tuned_tools  # noqa: E402
 from tune import lora, model as tmodel  # noqa: E402
 from tune.__main__ import main as tune_main  # noqa: E402
 from shared.dataset import Query, read_queries  # noqa: E402
@@ -133,6 +134,8 @@ def test_cli_writes_adapters_model_and_card(setup):
     assert card["examples"]["registry"]["selection_queries"] == sum(
         q["queries"] for q in card["selection"].values())
     assert card["adapter_bytes"] == sum(p.stat().st_size for p in (out / "adapters").glob("*.safetensors"))
+    names = {t["name"] for t in json.loads(source.registry.read_text())}
+    assert tuned_tools(out / "adapters") == names == tuned_tools(out / "model")   # the decoder's fusion reads it
     cfg = ModelConfig.from_dir(out / "model")
     load_weights(out / "model", cfg, "float32", progress=False)
     assert (out / "model" / "tokenizer.json").is_file()

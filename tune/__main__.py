@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from decoder_service.engine.fusion import TUNED_TOOLS
 from shared.dataset import data_dir, read_queries
 from tune.data import Encoder, Source, held_out_tools, items, split, synthetic, training_items
 from tune.merge import base_fingerprint, file_sha256, merge
@@ -88,9 +89,10 @@ def main(argv: list[str] | None = None) -> None:
     rng, place = random.Random(args.seed), random.Random(args.seed + 2)
     enc = Encoder(args.base)
     shortlister = Shortlister(enc.tok, args.encoder, args.shortlist_cache, args.folds)
-    train_items, select_items, valid_items, counts = [], [], [], {}
+    train_items, select_items, valid_items, counts, tools = [], [], [], {}, set()
     for source in sources_of(args):
         cat = enc.catalog(source)
+        tools.update(cat.names)
         cat.held_out = held_out_tools(cat.names, args.hold_out_tools)
         train_q, select_q, valid_q = split(cat, read_queries(source.queries))
         synth = synthetic(cat, train_q, rng) if args.synthetic else []
@@ -137,11 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     base = {"name": args.base.name, "fingerprint": base_fingerprint(args.base),
             "sha256": file_sha256(args.base / "model.safetensors")}
     extra = {}
+    known = json.dumps({"tools": sorted(tools)}, indent=0) + "\n"   # the catalogs the selector now knows
     if args.full:
         tmodel.save(net, args.base, args.out / "model", torch.float16)
+        (args.out / "model" / TUNED_TOOLS).write_text(known)
     else:
         files = lora.save_adapters(net, args.out / "adapters", args.rank, args.alpha, base)
         extra["adapter_bytes"] = sum(f.stat().st_size for f in files)
+        (args.out / "adapters" / TUNED_TOOLS).write_text(known)
         merge(args.base, args.out / "adapters", args.out / "model")
     hyper = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     write_card(args.out / "card.json", sources=sources_of(args), base=base, args=hyper, counts=counts,

@@ -11,6 +11,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from decoder_service.engine.fusion import TUNED_TOOLS
+
 CONFIG = "adapter_config.json"
 COPIED = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
@@ -52,7 +54,8 @@ def merged_tensors(base: dict[str, np.ndarray], adapters: dict[str, np.ndarray],
 
 def merge(base_dir: Path, adapter_dir: Path, out: Path) -> None:
     """Write `out`: the base folder's files with its model.safetensors merged with the adapters. The base's
-    fingerprint must be the one the adapters were trained on; `out` appears whole or not at all."""
+    fingerprint must be the one the adapters were trained on; `out` appears whole or not at all. The adapters'
+    tuned tools (which catalogs the selector knows: decoder_service.engine.fusion) go with it."""
     config = json.loads((adapter_dir / CONFIG).read_text())
     base_file = base_dir / "model.safetensors"
     fingerprint = base_fingerprint(base_dir)
@@ -72,6 +75,8 @@ def merge(base_dir: Path, adapter_dir: Path, out: Path) -> None:
             if (base_dir / name).is_file():
                 shutil.copy(base_dir / name, partial / name)
         shutil.copy(adapter_dir / CONFIG, partial / "tune_adapter_config.json")
+        if (adapter_dir / TUNED_TOOLS).is_file():
+            shutil.copy(adapter_dir / TUNED_TOOLS, partial / TUNED_TOOLS)
         for path in partial.iterdir():
             path.chmod(0o644)
         if out.exists():

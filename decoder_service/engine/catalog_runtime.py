@@ -32,6 +32,7 @@ class CatalogRuntime:
     tail_block: int = -1  # KV of prefix_ids[shared_tokens:] at its first positions (-1: no tail)
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
+    fusion_weight: float = 0.0   # logits a retrieval rank is worth in this version's answers (engine.fusion)
 
     @classmethod
     def from_trie(cls, trie: Trie, retriever: Retriever, tokenizer, block_size: int) -> "CatalogRuntime":

@@ -19,6 +19,7 @@ import numpy as np
 
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
+from decoder_service.engine.fusion import catalog_weight, rank_prior
 from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
@@ -67,6 +68,7 @@ class EngineConfig:
     shortlist: int = SHORTLIST     # tools retrieved into a request's prompt (the answer is k of them)
     max_shortlist: int = 256       # the most a request may ask for
     fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
+    fusion_weight_unseen: float | None = None   # the same for a catalog the selector was not tuned on (None: same)
 
 
 @dataclasses.dataclass
@@ -80,13 +82,14 @@ class Launched:
 
 class DecodeEngine:
     def __init__(self, backend, tokenizer, num_blocks: int, block_size: int, max_positions: int,
-                 config: EngineConfig = EngineConfig()):
+                 config: EngineConfig = EngineConfig(), tuned_tools: frozenset[str] = frozenset()):
         # A backend with fixed step buffers (the GPU one) bounds the rows and logit rows of a step.
         max_rows = getattr(backend, "max_rows", config.max_step_tokens)
         max_seqs = min(config.max_seqs, getattr(backend, "max_logit_rows", config.max_seqs))
         config = dataclasses.replace(config, max_step_tokens=min(config.max_step_tokens, max_rows),
                                      chunk_size=min(config.chunk_size, max_rows), max_seqs=max_seqs)
         self.backend, self.tok, self.config = backend, tokenizer, config
+        self.tuned_tools = tuned_tools    # the tools the selector was tuned on (fusion.catalog_weight)
         self.block_size, self.max_positions = block_size, max_positions
         self.blocks = BlockManager(num_blocks)
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
@@ -115,6 +118,8 @@ class DecodeEngine:
         if retriever is None:
             retriever = Retriever(bm25_index(trie), len(trie.pointer_names))
         rt = CatalogRuntime.from_trie(trie, retriever, self.tok, self.block_size)
+        rt.fusion_weight = catalog_weight(trie.pointer_names, self.tuned_tools, self.config.fusion_weight,
+                                          self.config.fusion_weight_unseen)
         if len(rt.prefix_ids) >= self.max_positions:
             raise RequestError(f"catalog prefix of {len(rt.prefix_ids)} tokens does not fit the model's "
                                f"{self.max_positions} positions")
@@ -178,10 +183,9 @@ class DecodeEngine:
             raise Expired("the request's deadline passed before it was queued")
         prompt = catalog.prefix_ids + self.request_ids(catalog, shortlist, intent, k)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
-        weight = np.float32(self.config.fusion_weight)
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
-                       prior=weight * -order.astype(np.float32) if weight else None,
+                       prior=rank_prior(order, catalog.fusion_weight),
                        deadline=time.monotonic() + timeout if timeout is not None else None, on_finish=on_finish)
         if seq.max_positions() > self.max_positions:
             raise RequestError(f"prompt ({len(prompt)} tokens) plus the worst-case answer for k={k} "
