@@ -203,8 +203,10 @@ def swap_arguments(p) -> None:
 def swap(args) -> None:
     """The first request after a catalog switch against the steady state (issue 30's target on the H200: within
     0.1 ms), with the version bound at the switch (`make_resident`, the service's way) and, for comparison,
-    bound inside its first step (make_resident skipped: the way before the device trie's move). MetaTool's
-    tools in a new order make each new version. A GPU measurement; the CPU run only checks the command."""
+    bound inside its first step (make_resident skipped: the way before the device trie's move); then the
+    retrieval stage alone, a version's first query against its steady median (host work the first request
+    would pay, measurable on the CPU too). MetaTool's tools in a new order make each new version. The request
+    rows are a GPU measurement; on the CPU the forward pass drowns them."""
     from decoder_service.catalogs import CatalogManager
     from compiler_service.compiler import compile_catalog
     from shared.catalog import catalog_from_entries
@@ -218,7 +220,7 @@ def swap(args) -> None:
     tools = json.loads(catalog_path("metatool").read_text())
     n = args.swaps + 1
     runtimes = {}
-    for version in range(1, 2 * n + 1):
+    for version in range(1, 3 * n + 1):
         rotated = tools[version % len(tools):] + tools[:version % len(tools)]
         trie = compile_catalog(catalog_from_entries(rotated), tok)
         trie.meta.update(name="demo", version=version)
@@ -228,11 +230,18 @@ def swap(args) -> None:
     manager.load = lambda name, version, superseded=None: runtimes[version]
     bind = engine.make_resident
 
+    intent = "what's the weather going to be like in Paris"
+
     def request() -> float:
         t = time.perf_counter()
-        seq = engine.submit(manager.acquire("demo"), "what's the weather going to be like in Paris", 2)
+        seq = engine.submit(manager.acquire("demo"), intent, 2)
         engine.run_until_idle()
         list(seq)
+        return (time.perf_counter() - t) * 1e3
+
+    def retrieval(rt) -> float:
+        t = time.perf_counter()
+        engine.retrieve(rt, intent, 2)
         return (time.perf_counter() - t) * 1e3
     print(f"{what} weights, {'CUDA' if gpu else 'CPU'} backend")
     for label, versions, hook in (("bound at the switch", range(1, n + 1), bind),
@@ -248,3 +257,7 @@ def swap(args) -> None:
         print(f"{label}: first request after a switch {statistics.median(extra[1:]):+.3f} ms over the steady "
               f"median ({len(extra) - 1} switches)")
     engine.make_resident = bind
+    extra = [retrieval(runtimes[v]) - statistics.median(retrieval(runtimes[v]) for _ in range(args.steady))
+             for v in range(2 * n + 1, 3 * n + 1)]
+    print(f"retrieval alone: a version's first query {statistics.median(extra[1:]):+.3f} ms over its steady median "
+          f"({len(extra) - 1} versions)")

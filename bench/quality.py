@@ -92,7 +92,8 @@ class Harness:
             out.append(answer)
         return out
 
-    def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0) -> dict:
+    def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0,
+            keep_answers: bool = False) -> dict:
         queries = sample(dataset.queries(name, split), n)
         held = frozenset(q.text for q in queries) if split != "validation" else frozenset()  # never its own example
         new = dataset.held_out([t["name"] for t in json.loads(dataset.catalog_path(name).read_text())], hold_out)
@@ -140,8 +141,12 @@ class Harness:
         for q in queries:
             for g in groups(q, new):
                 counts[g] += 1
-        return {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
-                "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "rows": rows}
+        out = {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
+               "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "rows": rows}
+        if keep_answers:   # each query's gold, shortlist and every method's answer, to read the misses
+            out["answers"] = [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
+                              for i, q in enumerate(queries)]
+        return out
 
 
 def table(results: list[dict]) -> str:
@@ -174,6 +179,8 @@ def quality_arguments(p) -> None:
                    "without examples (shared/dataset.held_out), reported apart as new tools")
     p.add_argument("--out", type=Path, default=None, help="the results file (default: "
                    "bench/results/quality_<device>[_<split>][_new_tools].json)")
+    p.add_argument("--answers", type=Path, default=None, help="also write each query's gold tools, shortlist and "
+                   "answers (JSON lines) to this file")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
 
@@ -186,12 +193,15 @@ def quality(args) -> None:
     started = time.perf_counter()
     results = []
     for name in args.sets.split(","):
-        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools))
+        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers)))
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
     device = device_label(harness.kind)
     suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
     out = args.out or REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.answers:
+        args.answers.write_text("".join(json.dumps({"set": r["set"], **a}) + "\n" for r in results
+                                        for a in r.pop("answers")))
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
                                "shortlist": SHORTLIST, "weights": ["service" if w is None else w for w in weights],

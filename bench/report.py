@@ -3,16 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
-
-
-def device_name(gpu: bool) -> str:
-    if gpu:
-        from numba import cuda
-        name = cuda.get_current_device().name
-        return name.decode() if isinstance(name, bytes) else str(name)
-    return f"cpu ({os.cpu_count()} cores)"
 
 
 def peer_available() -> bool:

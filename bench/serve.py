@@ -41,6 +41,7 @@ from bench.common import (BLOCK, MAX_SEQS, RESULTS, copy_bandwidth, device_label
                           log, make_backend, model_for)
 from bench.workload import EngineDriver, large_catalog, load_workload
 from decoder_service.encoder import load_encoder
+from decoder_service.model.backend import device_name
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors
@@ -297,9 +298,10 @@ def serve(args) -> None:
 def _serve(args) -> None:
     run_args = {k: v for k, v in vars(args).items() if k not in ("command", "count_graphs")}  # as recorded
     gpu = has_gpu()
-    device = device_label("cuda" if gpu else "cpu")
+    kind = "cuda" if gpu else "cpu"
+    device = device_label(kind)
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
-    res = {"device": report.device_name(gpu), "python": platform.python_version(), "args": run_args,
+    res = {"device": device_name(kind), "python": platform.python_version(), "args": run_args,
            "started": time.strftime("%Y-%m-%d %H:%M:%S"), "shapes": {}}
     earlier = Path(args.out) / f"bench_{device}.json"
     if args.merge and earlier.exists():

@@ -7,7 +7,6 @@ health service, and serves until SIGTERM, which drains in-flight requests first.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
