@@ -5,10 +5,10 @@
 For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
 (shared/dataset.py; `--split train` or `--split selection` to choose settings, never validation), its catalog
 published with the training split's single-tool queries as examples (shared/dataset.registry; on another split,
-less the queries measured): BM25 top-k, the dense encoder's top-k, their fusion (the decoder's retriever), the share
-of gold tools within the shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through
-the engine (the shortlist in the prompt, the generator constrained to it, the answer's order fused with
-retrieval at each --weights value).
+less the queries measured): BM25 top-k, the dense encoder's top-k, the vote of the examples nearest the query
+(k nearest neighbours), the fusion of the three (the decoder's retriever), the share of gold tools within the
+shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through the engine (the shortlist in
+the prompt, the generator constrained to it, the answer's order fused with retrieval at each --weights value).
 k is each query's number of gold tools. Prints a markdown table with rows per k and writes
 bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0: all).
 """
@@ -30,8 +30,8 @@ from decoder_service.model.backend import device_name, make_backend, resolve_bac
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, Retriever, bm25_index, computed_vectors,
-                                        intent_parts, top_n)
+from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, bm25_index,
+                                        computed_vectors, intent_parts, top_n)
 from shared import dataset
 from shared.catalog import parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings
@@ -62,7 +62,8 @@ def groups(q, new: frozenset[str]) -> list[str]:
 class Harness:
     """The model, its engine per fusion weight, and the encoder: loaded once for every data set."""
 
-    def __init__(self, model_dir, encoder_dir, backend: str, dense_weight: float = DENSE_WEIGHT):
+    def __init__(self, model_dir, encoder_dir, backend: str, dense_weight: float = DENSE_WEIGHT,
+                 vote_weight: float = VOTE_WEIGHT):
         self.kind = resolve_backend(backend)
         cfg = ModelConfig.from_dir(model_dir)
         self.spec = KVPoolSpec.from_tokens(65536)
@@ -70,7 +71,7 @@ class Harness:
                                     self.kind)
         self.cfg, self.tok = cfg, ModelTokenizer(model_dir)
         self.encoder = load_encoder(encoder_dir, self.kind)
-        self.dense_weight = dense_weight
+        self.dense_weight, self.vote_weight = dense_weight, vote_weight
         self.tuned_tools = tuned_tools(model_dir)
 
     def engine(self, weight: float | None) -> DecodeEngine:
@@ -102,15 +103,19 @@ class Harness:
         started = time.perf_counter()
         vectors, _ = computed_vectors(trie, self.encoder)
         vectors_s = time.perf_counter() - started
-        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder, self.dense_weight)
+        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder, self.dense_weight,
+                              self.vote_weight)
         names = trie.pointer_names
         lists = defaultdict(list)
         shortlists = []
         for q in queries:
             k = len(q.tools)
-            dense = (vectors @ self.encoder.encode(intent_parts(q.text)).T).max(axis=1)
+            parts = self.encoder.encode(intent_parts(q.text))
+            dense = (vectors.tools @ parts.T).max(axis=1)
             lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
+            votes = retriever.votes(parts, np.ones(len(names), bool))
+            lists["examples"].append([names[i] for i in top_n(votes.astype(np.float32), k)])
             s = retriever.shortlist(q.text, max(SHORTLIST, k))
             shortlists.append(s)
             lists["fused"].append([names[i] for i in s.ids[:k]])
@@ -183,12 +188,14 @@ def quality_arguments(p) -> None:
                    "answers (JSON lines) to this file")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
+    p.add_argument("--vote-weight", type=float, default=VOTE_WEIGHT,
+                   help="what the nearest examples' vote adds to the fusion (training split only)")
 
 
 def quality(args) -> None:
     weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
                else [None])
-    harness = Harness(args.model, args.encoder, args.backend, args.dense_weight)
+    harness = Harness(args.model, args.encoder, args.backend, args.dense_weight, args.vote_weight)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
     results = []
@@ -204,6 +211,7 @@ def quality(args) -> None:
                                         for a in r.pop("answers")))
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
+                               "vote_weight": args.vote_weight,
                                "shortlist": SHORTLIST, "weights": ["service" if w is None else w for w in weights],
                                "hold_out_tools": args.hold_out_tools, "results": results}, indent=1) + "\n")
     print(table(results))

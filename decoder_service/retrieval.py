@@ -4,9 +4,10 @@ Each tool's score is a weighted sum of its dense score and its BM25 score, each 
 request allows (minus the mean, over the standard deviation), so that neither scale dominates. The dense score
 is the best cosine between the tool's vector and the intent or one of its clauses (a request for several tools
 names each in a clause); a tool's vector is its text's, pulled towards the mean of its examples' (requests it
-answers, from the registry). Every choice here was measured on the training split (docs/quality.md). The
-shortlist is the N best, the lower pointer id on a tie: the same intent gives the same shortlist, alone or in
-any batch.
+answers, from the registry). The examples nearest the intent also vote for their tools: a request phrased like
+one the catalog's owner labelled goes where that one went. Every choice here was measured on the training split
+(docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same intent gives the same
+shortlist, alone or in any batch.
 """
 from __future__ import annotations
 
@@ -25,8 +26,21 @@ from shared.trie import Trie, read_blob_metadata
 DENSE_WEIGHT = 0.6
 SHORTLIST = 20
 MAX_PARTS = 8    # the intent and at most 7 of its clauses
-VECTORS_RECIPE = 2   # tool_vectors' recipe: 1 the text alone; 2 with its examples' mean or a written request
+VOTE_WEIGHT = 1.0         # what the nearest examples' whole vote adds to a tool's fused score
+NEIGHBOURS = 10           # the examples nearest the intent that vote
+VOTE_TEMPERATURE = 0.05   # their shares: a softmax of their cosines at this temperature
+VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its examples' mean or a written request;
+                     # 3 and the examples' own vectors
 _CLAUSE = re.compile(r"(?<=[.?!;])\s+|,? and (?:then |also )?|,? then |, also ")
+
+
+@dataclass(frozen=True)
+class Vectors:
+    """A catalog version's dense side: every tool's unit vector, and every example's (the requests the registry
+    says a tool answers) with the tool it belongs to."""
+    tools: np.ndarray      # float32 [tools, dim]
+    examples: np.ndarray   # float32 [examples, dim]
+    owner: np.ndarray      # int32 [examples]: the example's tool (pointer id)
 
 
 @dataclass(frozen=True)
@@ -61,24 +75,39 @@ def vectors_digest(encoder) -> str:
     return f"{encoder.digest}-r{VECTORS_RECIPE}"
 
 
-def vectors_blob(vectors: np.ndarray, content_hash: str, encoder_digest: str) -> bytes:
-    """Tool vectors as stored beside a version: float16, with what they were computed from and their hash."""
-    data = np.ascontiguousarray(vectors, np.float16)
-    return st_save({"vectors": data}, {"content_hash": content_hash, "encoder": encoder_digest,
-                                       "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
+def vectors_blob(vectors: Vectors, content_hash: str, encoder_digest: str) -> bytes:
+    """A version's vectors as stored beside it: float16, with what they were computed from and their hash."""
+    tools, examples = (np.ascontiguousarray(v, np.float16) for v in (vectors.tools, vectors.examples))
+    return st_save({"vectors": tools, "examples": examples},
+                   {"content_hash": content_hash, "encoder": encoder_digest, "sha256": _digest(tools, examples)})
 
 
-def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) -> np.ndarray:
-    """Stored tool vectors, refused (ValueError) unless they are this version's, this encoder's and intact."""
+def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) -> Vectors:
+    """Stored vectors, refused (ValueError) unless they are this version's, this encoder's and intact."""
     meta = read_blob_metadata(blob)
-    vectors = st_load(blob)["vectors"]
+    arrays = st_load(blob)
     if meta.get("content_hash") != trie.meta["content_hash"] or meta.get("encoder") != encoder_digest:
         raise ValueError("stored tool vectors belong to another catalog version or encoder")
-    if hashlib.sha256(np.ascontiguousarray(vectors).tobytes()).hexdigest() != meta.get("sha256"):
+    if set(arrays) != {"vectors", "examples"} or _digest(arrays["vectors"], arrays["examples"]) != meta.get("sha256"):
         raise ValueError("stored tool vectors do not match their recorded hash")
-    if vectors.shape != (len(trie.pointer_names), dim) or not np.all(np.isfinite(vectors)):
-        raise ValueError(f"stored tool vectors have shape {vectors.shape}, expected {(len(trie.pointer_names), dim)}")
-    return vectors.astype(np.float32)
+    owner = example_owner(trie)
+    for key, rows in (("vectors", len(trie.pointer_names)), ("examples", len(owner))):
+        if arrays[key].shape != (rows, dim) or not np.all(np.isfinite(arrays[key])):
+            raise ValueError(f"stored {key} have shape {arrays[key].shape}, expected {(rows, dim)}")
+    return Vectors(arrays["vectors"].astype(np.float32), arrays["examples"].astype(np.float32), owner)
+
+
+def _digest(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def example_owner(trie: Trie) -> np.ndarray:
+    """int32 [examples]: the tool of each of the version's examples, in the registry's order."""
+    counts = [len(e) for e in trie.meta.get("examples") or [[]] * len(trie.pointer_names)]
+    return np.repeat(np.arange(len(counts), dtype=np.int32), counts)
 
 
 def written_request(description: str, template: str = "I need to {d}") -> str:
@@ -90,43 +119,50 @@ def written_request(description: str, template: str = "I need to {d}") -> str:
     return template.format(d=d)
 
 
-def tool_vectors(trie: Trie, encoder) -> np.ndarray:
-    """Each tool's unit vector: its text's plus the mean of its examples', normalised. A tool without examples
-    has one written from its description, so that every vector leans alike towards how requests are phrased."""
+def tool_vectors(trie: Trie, encoder) -> Vectors:
+    """Each tool's unit vector: its text's plus the mean of its examples', normalised; and the examples' own. A
+    tool without examples has one written from its description, so that every vector leans alike towards how
+    requests are phrased (a written one never votes)."""
     n = len(trie.pointer_names)
-    examples = [e or ([written_request(d)] if d.strip() else [])
-                for e, d in zip(trie.meta.get("examples") or [[]] * n, trie.meta["descriptions"])]
-    encoded = encoder.encode(tool_texts(trie) + [x for e in examples for x in e]).astype(np.float64)
-    counts = np.asarray([len(e) for e in examples])
+    examples = trie.meta.get("examples") or [[]] * n
+    written = {i: written_request(d) for i, (e, d) in enumerate(zip(examples, trie.meta["descriptions"]))
+               if not e and d.strip()}
+    owner = example_owner(trie)
+    encoded = encoder.encode(tool_texts(trie) + [x for e in examples for x in e] + list(written.values()))
+    encoded = encoded.astype(np.float64)
+    rows = np.concatenate([owner, np.fromiter(written, np.int32, len(written))])
     sums = np.zeros((n, encoded.shape[1]))
-    np.add.at(sums, np.repeat(np.arange(n), counts), encoded[n:])
-    vectors = encoded[:n] + sums / np.maximum(counts, 1)[:, None]
-    return (vectors / np.linalg.norm(vectors, axis=1, keepdims=True)).astype(np.float32)
+    np.add.at(sums, rows, encoded[n:])
+    tools = encoded[:n] + sums / np.maximum(np.bincount(rows, minlength=n), 1)[:, None]
+    tools /= np.linalg.norm(tools, axis=1, keepdims=True)
+    return Vectors(tools.astype(np.float32), encoded[n:n + len(owner)].astype(np.float32), owner)
 
 
-def computed_vectors(trie: Trie, encoder) -> tuple[np.ndarray, bytes]:
-    """(vectors, blob): the version's tool vectors computed now, returned through their stored form (float16)
-    so that a version answers the same whichever replica computed them, and the blob to store."""
+def computed_vectors(trie: Trie, encoder) -> tuple[Vectors, bytes]:
+    """(vectors, blob): the version's vectors computed now, returned through their stored form (float16) so
+    that a version answers the same whichever replica computed them, and the blob to store."""
     digest = vectors_digest(encoder)
     blob = vectors_blob(tool_vectors(trie, encoder), trie.meta["content_hash"], digest)
     return vectors_from_blob(blob, trie, digest, encoder.dim), blob
 
 
 class Retriever:
-    """One catalog version's first stage: its BM25 index, and its tool vectors with the encoder for intents
+    """One catalog version's first stage: its BM25 index, and its vectors with the encoder for intents
     (without an encoder, BM25 alone)."""
 
-    def __init__(self, index: Bm25Index, size: int, vectors: np.ndarray | None = None, encoder=None,
-                 dense_weight: float = DENSE_WEIGHT):
+    def __init__(self, index: Bm25Index, size: int, vectors: Vectors | None = None, encoder=None,
+                 dense_weight: float = DENSE_WEIGHT, vote_weight: float = VOTE_WEIGHT):
         self.index, self.size, self.vectors, self.encoder = index, size, vectors, encoder
         self.dense_weight = dense_weight if encoder is not None else 0.0
+        self.vote_weight = vote_weight if encoder is not None and len(vectors.examples) else 0.0
         self.device, self.device_max = None, 0
         if encoder is not None and encoder.backend_name == "cuda":
             from decoder_service.retrieval_cuda import MAX_N, DeviceScorer
-            self.device, self.device_max = DeviceScorer(vectors), MAX_N
+            voters = (vectors.examples, vectors.owner) if self.vote_weight else None
+            self.device, self.device_max = DeviceScorer(vectors.tools, voters), MAX_N
             # the cosines' mean and second moment over every tool, for any vector q: mean @ q and q @ gram @ q
-            self.mean = vectors.astype(np.float64).mean(axis=0)
-            self.gram = (vectors.T @ vectors).astype(np.float64) / len(vectors)
+            tools = vectors.tools.astype(np.float64)
+            self.mean, self.gram = tools.mean(axis=0), tools.T @ tools / len(tools)
 
     def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:
         """float32 [tools]: every tool's fused score (-inf for a tool the allowlist leaves out)."""
@@ -136,11 +172,29 @@ class Retriever:
             keep[allow] = True
         fused = (1.0 - self.dense_weight) * standardised(self.index.scores(intent, self.size), keep)
         if self.encoder is not None:
-            cos = self.vectors @ self.encoder.encode(intent_parts(intent)).T    # [tools, parts]
+            parts = self.encoder.encode(intent_parts(intent))
+            cos = self.vectors.tools @ parts.T    # [tools, parts]
             fused += self.dense_weight * standardised(cos.max(axis=1), keep, by=cos[:, 0])
+            if self.vote_weight:
+                fused += self.vote_weight * self.votes(parts, keep)
         fused = fused.astype(np.float32)
         fused[~keep] = -np.inf
         return fused
+
+    def votes(self, parts: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """float64 [tools]: the NEIGHBOURS examples of kept tools nearest the intent (best cosine over its parts)
+        share one vote, by a softmax of their cosines, each giving its share to its tool."""
+        owner = self.vectors.owner
+        mine = np.flatnonzero(keep[owner])
+        out = np.zeros(self.size)
+        if len(mine) == 0:
+            return out
+        examples = self.vectors.examples if len(mine) == len(owner) else self.vectors.examples[mine]
+        cos = (examples @ parts.T).max(axis=1)
+        near = top_n(cos, min(NEIGHBOURS, len(mine)))
+        share = np.exp((cos[near].astype(np.float64) - cos[near[0]]) / VOTE_TEMPERATURE)
+        np.add.at(out, owner[mine[near]], share / share.sum())
+        return out
 
     def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
         """The n best tools for the intent among those allowed (all when allow is None), best first; on a
@@ -156,8 +210,9 @@ class Retriever:
         return Shortlist(ids, scores, time.perf_counter() - started)
 
     def _on_device(self, intent: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25: the intent's cosines' mean and spread
-        from the precomputed moments, BM25's from the matched tools (the others score 0)."""
+        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the examples' votes: the intent's
+        cosines' mean and spread from the precomputed moments, BM25's from the matched tools (the others score
+        0)."""
         parts = self.encoder.encode(intent_parts(intent))
         q = parts[0]
         ids, values = self.index.matched(intent, self.size)
@@ -167,7 +222,7 @@ class Retriever:
         sb = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mb * mb, 0.0))
         a = self.dense_weight / sd if sd > 0 else 0.0
         c = (1.0 - self.dense_weight) / sb if sb > 0 else 0.0
-        return self.device.shortlist(parts, a, -a * md - c * mb, (ids, values), c, n)
+        return self.device.shortlist(parts, a, -a * md - c * mb, (ids, values), c, n, self.vote_weight)
 
 
 def standardised(x: np.ndarray, keep: np.ndarray, by: np.ndarray | None = None) -> np.ndarray:

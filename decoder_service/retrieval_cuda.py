@@ -1,8 +1,9 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
-A version's tool vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with the
-intent's parts), k_add (BM25) and a two-level k_best leave only n ids and scores for the host, in
-retrieval.top_n's order, the same in any order of requests (P78).
+A version's tool and example vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with
+the intent's parts), the examples' votes (k_fuse over the examples, a two-level k_best for the nearest, k_vote),
+k_add (BM25) and a two-level k_best leave only n ids and scores for the host, in retrieval.top_n's order, the
+same in any order of requests (P78).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import ctypes
 
 from decoder_service.model.cuda.intrinsics import WARP, ldf, warp_sum
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
-from decoder_service.retrieval import MAX_PARTS
+from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
@@ -52,6 +53,22 @@ def k_add(ids, values, m, c, out):
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < m:
         out[ids[i]] += c * values[i]
+
+
+@cuda.jit(cache=not SIM)
+def k_vote(near_scores, near_ids, owner, count, weight, temperature, out):
+    """out[owner[e]] += weight * e's share of the vote, for the `count` nearest examples e (best first): a
+    softmax of their cosines, in float64, added by one thread in rank order (a tool with several of them sums
+    in a fixed order)."""
+    if cuda.threadIdx.x != 0 or cuda.blockIdx.x != 0:
+        return
+    top = numba.float64(near_scores[0])
+    total = numba.float64(0.0)
+    for r in range(count):
+        total += math.exp((numba.float64(near_scores[r]) - top) / temperature)
+    for r in range(count):
+        share = math.exp((numba.float64(near_scores[r]) - top) / temperature) / total
+        out[owner[near_ids[r]]] += numba.float32(weight * share)
 
 
 @cuda.jit(device=True, inline="always")
@@ -99,20 +116,16 @@ def k_best(scores, ids, n, slice_len, top, out_scores, out_ids):
 
 
 class DeviceScorer:
-    """One version's tool vectors on the device and the buffers of its shortlist (one request at a time)."""
+    """One version's tool vectors (and its examples', which vote) on the device, and the buffers of its
+    shortlist (one request at a time)."""
 
-    def __init__(self, vectors: np.ndarray):
+    def __init__(self, vectors: np.ndarray, voters: tuple[np.ndarray, np.ndarray] | None = None):
         n, dim = vectors.shape
         self.n, self.dim = n, dim
-        self.blocks = -(-n // SLICE)
         self.stream = Stream()
         self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())
         self.queries = cuda.device_array(MAX_PARTS * dim, np.float32)
         self.scores = cuda.device_array(n, np.float32)
-        self.part_scores = cuda.device_array(self.blocks * MAX_N, np.float32)
-        self.part_ids = cuda.device_array(self.blocks * MAX_N, np.int32)
-        self.best_scores = cuda.device_array(MAX_N, np.float32)
-        self.best_ids = cuda.device_array(MAX_N, np.int32)
         self.no_ids = cuda.device_array(0, np.int32)
         self.matched_ids = cuda.device_array(n, np.int32)
         self.matched_values = cuda.device_array(n, np.float32)
@@ -121,25 +134,35 @@ class DeviceScorer:
         self.host_ids, self.host_values = pin(n, np.int32), pin(n, np.float32)
         self.out_ids, self.out_scores = pin(MAX_N, np.int32), pin(MAX_N, np.float32)
         # the launches, packed once; what changes per request is in these scalars
-        self.a, self.k0, self.c = (Scalar(ctypes.c_float) for _ in range(3))
-        self.m, self.top, self.merged, self.parts = (Scalar(ctypes.c_int32) for _ in range(4))
+        self.a, self.k0, self.c, self.weight = (Scalar(ctypes.c_float) for _ in range(4))
+        self.m, self.top, self.parts = (Scalar(ctypes.c_int32) for _ in range(3))
         k, h = Kernels.get(), self.stream.handle
         self.fuse = Launch(k.fuse, WARPS * WARP, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
                                                          parts=self.parts, a=self.a, k0=self.k0, out=self.scores), h)
         self.add = Launch(k.add, 256, 0, dict(ids=self.matched_ids, values=self.matched_values, m=self.m, c=self.c,
                                               out=self.scores), h)
-        self.part = Launch(k.best, THREADS, 0, dict(scores=self.scores, ids=self.no_ids, n=n, slice_len=SLICE,
-                                                    top=self.top, out_scores=self.part_scores,
-                                                    out_ids=self.part_ids), h)
-        self.merge = Launch(k.best, THREADS, 0, dict(scores=self.part_scores, ids=self.part_ids, n=self.merged,
-                                                     slice_len=self.merged, top=self.top, out_scores=self.best_scores,
-                                                     out_ids=self.best_ids), h)
+        self.best = Best(self.scores, n, self.top, MAX_N, self.no_ids, h)
+        self.vote = None
+        if voters is not None and len(voters[1]):
+            examples, owner = voters
+            count = min(NEIGHBOURS, len(owner))
+            self.examples = cuda.to_device(np.ascontiguousarray(examples, np.float16).ravel())
+            self.example_scores = cuda.device_array(len(owner), np.float32)
+            self.owner = cuda.to_device(np.ascontiguousarray(owner, np.int32))
+            self.example_fuse = Launch(k.fuse, WARPS * WARP, 0, dict(
+                vectors=self.examples, dim=dim, n=len(owner), queries=self.queries, parts=self.parts, a=1.0, k0=0.0,
+                out=self.example_scores), h)
+            self.nearest = Best(self.example_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.no_ids, h)
+            self.vote = Launch(k.vote, 1, 0, dict(
+                near_scores=self.nearest.scores, near_ids=self.nearest.ids, owner=self.owner, count=count,
+                weight=self.weight, temperature=VOTE_TEMPERATURE, out=self.scores), h)
         self.lock = threading.Lock()
 
     def shortlist(self, queries: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
-                  top: int) -> tuple[np.ndarray, np.ndarray]:
+                  top: int, vote_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(ids, scores) of the `top` best tools by a * (best cosine over the rows of queries) + k0 + c*bm25
-        (matched = the BM25 index's (ids, values) of the tools with a nonzero score), best first."""
+        (matched = the BM25 index's (ids, values) of the tools with a nonzero score) + vote_weight * the
+        examples' votes (retrieval.Retriever.votes), best first."""
         if top > MAX_N or top > self.n:
             raise ValueError(f"the device shortlist holds 1 to {min(MAX_N, self.n)} tools, asked for {top}")
         if not 1 <= len(queries) <= MAX_PARTS:
@@ -150,24 +173,49 @@ class DeviceScorer:
             self.host_queries[:queries.size] = queries.ravel()
             self.parts.value = len(queries)
             self.host_ids[:m], self.host_values[:m] = ids, values
-            self.a.value, self.k0.value, self.c.value = a, k0, c
-            self.m.value, self.top.value, self.merged.value = m, top, self.blocks * top
+            self.a.value, self.k0.value, self.c.value, self.weight.value = a, k0, c, vote_weight
+            self.m.value, self.top.value = m, top
             s.h2d(self.queries, self.host_queries, queries.size)
             s.h2d(self.matched_ids, self.host_ids, m)
             s.h2d(self.matched_values, self.host_values, m)
             self.fuse.launch(-(-self.n // WARPS))
+            if self.vote is not None and vote_weight:
+                self.example_fuse.launch(-(-len(self.owner) // WARPS))
+                self.nearest.launch()
+                self.vote.launch(1)
             if m:
                 self.add.launch(-(-m // 256))
-            self.part.launch(self.blocks)
-            self.merge.launch(1)
-            s.d2h(self.out_ids, self.best_ids, top)
-            s.d2h(self.out_scores, self.best_scores, top)
+            self.best.launch()
+            s.d2h(self.out_ids, self.best.ids, top)
+            s.d2h(self.out_scores, self.best.scores, top)
             s.synchronize()
             return self.out_ids[:top].copy(), self.out_scores[:top].copy()
 
 
+class Best:
+    """The two k_best launches that leave the best `top` (at most `most`) of scores[:n] in two small device
+    arrays, `scores` and `ids`: each slice's best, then the best of those."""
+
+    def __init__(self, scores, n: int, top: Scalar, most: int, no_ids, stream):
+        self.blocks, self.top, self.merged = -(-n // SLICE), top, Scalar(ctypes.c_int32)
+        part_scores = cuda.device_array(self.blocks * most, np.float32)
+        part_ids = cuda.device_array(self.blocks * most, np.int32)
+        self.scores, self.ids = cuda.device_array(most, np.float32), cuda.device_array(most, np.int32)
+        k = Kernels.get()
+        self.part = Launch(k.best, THREADS, 0, dict(scores=scores, ids=no_ids, n=n, slice_len=SLICE, top=top,
+                                                    out_scores=part_scores, out_ids=part_ids), stream)
+        self.merge = Launch(k.best, THREADS, 0, dict(scores=part_scores, ids=part_ids, n=self.merged,
+                                                     slice_len=self.merged, top=top, out_scores=self.scores,
+                                                     out_ids=self.ids), stream)
+
+    def launch(self) -> None:
+        self.merged.value = self.blocks * self.top.value
+        self.part.launch(self.blocks)
+        self.merge.launch(1)
+
+
 class Kernels:
-    """The three kernels compiled once per process."""
+    """The four kernels compiled once per process."""
 
     _instance = None
 
@@ -175,6 +223,7 @@ class Kernels:
         self.fuse = Kernel("k_fuse", dispatcher=k_fuse, argtypes=(_H, _S, _S, _F, _S, _X, _X, _F))
         self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
         self.best = Kernel("k_best", dispatcher=k_best, argtypes=(_F, _I, _S, _S, _S, _F, _I))
+        self.vote = Kernel("k_vote", dispatcher=k_vote, argtypes=(_F, _I, _I, _S, _X, t.float64, _F))
 
     @classmethod
     def get(cls) -> "Kernels":

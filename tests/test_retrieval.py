@@ -1,13 +1,13 @@
 """The first stage: BM25 terms and index, fusion with the dense scores, the intent's clauses, the examples'
-pull on a tool's vector, the shortlist's order, stored vectors."""
+pull on a tool's vector and their vote, the shortlist's order, stored vectors."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from compiler_service.compiler import compile_catalog
-from decoder_service.retrieval import (VECTORS_RECIPE, Retriever, intent_parts, tool_vectors, top_n, vectors_blob,
-                                       vectors_digest, vectors_from_blob, written_request)
+from decoder_service.retrieval import (NEIGHBOURS, VECTORS_RECIPE, Retriever, Vectors, intent_parts, tool_vectors,
+                                       top_n, vectors_blob, vectors_digest, vectors_from_blob, written_request)
 from shared.bm25 import Bm25Index, terms, tool_terms
 from shared.catalog import parse_registry
 from shared.tokenizer import ModelTokenizer
@@ -83,6 +83,11 @@ def test_an_intent_splits_into_its_clauses_of_three_words_or_more():
     assert len(intent_parts(many)) == 8 and intent_parts(many)[1] == "Please do task number 0."
 
 
+def without_examples(tools) -> Vectors:
+    tools = np.asarray(tools, np.float32)
+    return Vectors(tools, np.zeros((0, tools.shape[1]), np.float32), np.zeros(0, np.int32))
+
+
 class Table:
     """An encoder stand-in with a vector per text (the real one is tested in test_encoder.py)."""
     backend_name, dim, digest = "cpu", 2, "table"
@@ -95,7 +100,7 @@ class Table:
 
 
 def test_each_clause_of_a_request_for_two_tools_finds_its_tool():
-    vectors = np.asarray([[1, 0], [0, 1], [0.8, 0.6]], np.float32)
+    vectors = without_examples([[1, 0], [0, 1], [0.8, 0.6]])
     intent = "convert the money first and then check the weather"
     table = Table({intent: [0.6, 0.8], "convert the money first": [1, 0], "check the weather": [0, 1],
                    "the weather please": [0.6, 0.8]})
@@ -115,7 +120,31 @@ def test_examples_pull_a_tools_vector_towards_the_requests_it_answers():
                    "I need to finds cheap flights": [4, 0], "c:  ": [0, 2]})
     got = tool_vectors(trie, table)
     a = np.asarray([1, 0]) + (np.asarray([0, 1]) + np.asarray([0.6, 0.8])) / 2
-    assert np.allclose(got, [a / np.linalg.norm(a), [0.8, 0.6], [0, 1]], atol=1e-7) and got.dtype == np.float32
+    assert np.allclose(got.tools, [a / np.linalg.norm(a), [0.8, 0.6], [0, 1]], atol=1e-7)
+    assert got.tools.dtype == np.float32
+    # the examples keep their own vectors, to vote; a written request does not
+    assert np.array_equal(got.examples, np.asarray([[0, 1], [0.6, 0.8]], np.float32)) and got.owner.tolist() == [0, 0]
+
+
+def test_the_examples_nearest_a_request_vote_for_their_tools():
+    # tool 0's text is nearest the request, but tool 1 answered a request phrased like it
+    vectors = Vectors(np.asarray([[1, 0], [0.6, 0.8], [0, 1]], np.float32),
+                      np.asarray([[0.96, 0.28], [0, 1]], np.float32), np.asarray([1, 2], np.int32))
+    bm25 = Bm25Index.build([["x"], ["y"], ["z"]])
+    fixed = Fixed([1, 0])
+    plain = Retriever(bm25, 3, vectors, fixed, dense_weight=1.0, vote_weight=0.0)
+    assert plain.shortlist("a request", 3).ids.tolist() == [0, 1, 2]
+    voted = Retriever(bm25, 3, vectors, fixed, dense_weight=1.0, vote_weight=2.0)
+    assert voted.shortlist("a request", 3).ids.tolist() == [1, 0, 2]
+    votes = voted.votes(fixed.encode([]), np.ones(3, bool))
+    assert votes.sum() == pytest.approx(1.0) and votes[1] > 0.99 and votes[0] == 0     # a softmax of the cosines
+    # only the allowed tools' examples vote: without tool 1, the whole vote is tool 2's example's
+    assert voted.votes(fixed.encode([]), np.asarray([True, False, True])).tolist() == [0, 0, 1]
+    # at most NEIGHBOURS examples vote, the nearest
+    many = Vectors(vectors.tools, np.tile([[0.96, 0.28]], (NEIGHBOURS + 1, 1)).astype(np.float32),
+                   np.asarray([1] * NEIGHBOURS + [2], np.int32))
+    votes = Retriever(bm25, 3, many, fixed).votes(fixed.encode([]), np.ones(3, bool))
+    assert votes[1] == pytest.approx(1.0) and votes[2] == 0     # equal cosines: the lower example ids vote
 
 
 class Fixed:
@@ -131,7 +160,7 @@ class Fixed:
 
 def test_fusion_standardises_both_scores_over_the_allowed_tools():
     docs = [["weather"], ["weather", "weather"], ["news"], ["flight"]]
-    vectors = np.asarray([[1, 0], [0, 1], [0.6, 0.8], [0.8, 0.6]], np.float32)
+    vectors = without_examples([[1, 0], [0, 1], [0.6, 0.8], [0.8, 0.6]])
     lexical = Retriever(Bm25Index.build(docs), 4)
     assert lexical.shortlist("weather", 2).ids.tolist() == [1, 0]          # BM25 alone
     dense = Retriever(Bm25Index.build(docs), 4, vectors, Fixed([1, 0]), dense_weight=1.0)
@@ -146,10 +175,16 @@ def test_fusion_standardises_both_scores_over_the_allowed_tools():
 
 def test_stored_vectors_are_refused_unless_they_are_this_versions_and_intact():
     trie = Trie(np.asarray([0, 0], np.int32), *(np.empty(0, np.int32),) * 4, pointer_names=["a", "b"], sep_id=0,
-                stop_id=1, meta={"content_hash": "h1"})
-    vectors = np.asarray([[1, 0], [0, 1]], np.float32)
+                stop_id=1, meta={"content_hash": "h1", "examples": [[], ["x", "y"]]})
+    vectors = Vectors(np.asarray([[1, 0], [0, 1]], np.float32), np.asarray([[0.75, 0.5], [0, 1]], np.float32),
+                      np.asarray([1, 1], np.int32))
     blob = vectors_blob(vectors, "h1", "enc")
-    assert np.array_equal(vectors_from_blob(blob, trie, "enc", 2), vectors)
+    read = vectors_from_blob(blob, trie, "enc", 2)
+    assert all(np.array_equal(getattr(read, f), getattr(vectors, f)) for f in ("tools", "examples", "owner"))
+    trie.meta["examples"] = [[], ["x"]]            # another registry's examples
+    with pytest.raises(ValueError, match="stored examples have shape"):
+        vectors_from_blob(blob, trie, "enc", 2)
+    trie.meta["examples"] = [[], ["x", "y"]]
     with pytest.raises(ValueError, match="another catalog version or encoder"):
         vectors_from_blob(blob, trie, "other-encoder", 2)
     # vectors an older recipe made with the same encoder are not this code's: recomputed, never reused
@@ -161,3 +196,35 @@ def test_stored_vectors_are_refused_unless_they_are_this_versions_and_intact():
     tampered[-1] ^= 0x40
     with pytest.raises(ValueError, match="recorded hash"):
         vectors_from_blob(bytes(tampered), trie, "enc", 2)
+
+
+class Hashed:
+    """An encoder stand-in: a fixed unit vector per text, and a count of the texts it encoded."""
+    backend_name, dim, digest = "cpu", 4, "hashed"
+
+    def __init__(self):
+        self.encoded = 0
+
+    def encode(self, texts):
+        self.encoded += len(texts)
+        rows = [np.random.default_rng(sum(map(ord, t))).standard_normal(4) for t in texts]
+        return np.asarray([r / np.linalg.norm(r) for r in rows], np.float32).reshape(len(texts), 4)
+
+
+def test_a_versions_vectors_are_computed_once_and_read_back_by_a_restarted_decoder(redis_url, small_tokenizer_dir):
+    from decoder_service.catalogs import CatalogManager
+    from shared.store import CatalogStore
+    registry = ('[{"name": "alpha", "description": "first tool", "examples": ["convert pounds", "to euros"]},'
+                ' {"name": "beta", "description": "second tool"}]')
+    trie = compile_catalog(parse_registry(registry), ModelTokenizer(small_tokenizer_dir))
+    store = CatalogStore.from_url(redis_url, namespace="vectors-test")
+    first, restarted = Hashed(), Hashed()
+    computed = CatalogManager(store, None, encoder=first).retriever("tools", 1, trie)
+    read = CatalogManager(store, None, encoder=restarted).retriever("tools", 1, trie)
+    assert first.encoded == 2 + 2 + 1 and restarted.encoded == 0       # texts, examples, beta's written request
+    for f in ("tools", "examples", "owner"):
+        assert np.array_equal(getattr(read.vectors, f), getattr(computed.vectors, f))
+    alpha = trie.pointer_names.index("alpha")
+    assert read.vectors.examples.shape == (2, 4) and read.vectors.owner.tolist() == [alpha, alpha]
+    assert read.shortlist("convert pounds", 2).ids.tolist() == computed.shortlist("convert pounds", 2).ids.tolist()
+

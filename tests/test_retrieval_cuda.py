@@ -1,5 +1,5 @@
-"""The device shortlist (retrieval_cuda: k_fuse, k_add, k_best) against the host's top_n, under numba's CUDA
-simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is one."""
+"""The device shortlist (retrieval_cuda: k_fuse, the examples' k_vote, k_add, k_best) against the host's top_n,
+under numba's CUDA simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is one."""
 from __future__ import annotations
 
 import json
@@ -25,26 +25,38 @@ def test_the_device_shortlist_is_the_hosts_on_the_gpu():
 
 
 def main() -> None:
-    from decoder_service.retrieval import top_n
+    from decoder_service.retrieval import NEIGHBOURS, VOTE_TEMPERATURE, top_n
     from decoder_service.retrieval_cuda import SIM, DeviceScorer
     rng = np.random.default_rng(3)
-    n, dim = (150, 8) if SIM else (100_000, 384)
+    n, dim, m = (150, 8, 40) if SIM else (100_000, 384, 50_000)
     vectors = rng.standard_normal((n, dim)).astype(np.float16)
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
-    scorer = DeviceScorer(vectors)
+    examples = rng.standard_normal((m, dim)).astype(np.float16)
+    owner = rng.integers(0, n, m).astype(np.int32)
+    scorer = DeviceScorer(vectors, (examples, owner))
     mismatches, cases = [], 0
-    for case, (top, matched, parts) in enumerate([(20, 0, 1), (10, 25, 3), (1, 3, 2), (40, n // 3, 8), (20, n, 1)]):
+    for case, (top, matched, parts, vote) in enumerate([(20, 0, 1, 0.0), (10, 25, 3, 0.0), (1, 3, 2, 0.0),
+                                                        (40, n // 3, 8, 0.0), (20, n, 1, 0.0), (20, 25, 1, 2.0),
+                                                        (10, n // 3, 3, 0.5)]):
         axes = [(case + p) % dim for p in range(parts)]
         queries = np.zeros((parts, dim), np.float32)
         queries[np.arange(parts), axes] = 1.0              # each cosine is one exact product
         ids = np.sort(rng.choice(n, matched, replace=False)).astype(np.int32)
         values = rng.integers(1, 8, matched).astype(np.float32)
-        got_ids, got_scores = scorer.shortlist(queries, 1.0, 0.0, (ids, values), 0.5, top)
+        got_ids, got_scores = scorer.shortlist(queries, 1.0, 0.0, (ids, values), 0.5, top, vote)
         host = vectors[:, axes].astype(np.float32).max(axis=1)   # the best part's cosine
+        if vote:   # retrieval.Retriever.votes, added in the device's order and precision
+            cos = examples[:, axes].astype(np.float32).max(axis=1)
+            near = top_n(cos, NEIGHBOURS)
+            share = np.exp((cos[near].astype(np.float64) - cos[near[0]]) / VOTE_TEMPERATURE)
+            for e, x in zip(near, share / share.sum()):
+                host[owner[e]] += np.float32(vote * x)
         host[ids] += np.float32(0.5) * values
         want = top_n(host, top)
-        if list(got_ids) != list(want) or not np.array_equal(got_scores, host[want]):
+        if list(got_ids) != list(want) or not np.allclose(got_scores, host[want], rtol=1e-6, atol=0):
             mismatches.append(f"case {case}: {list(got_ids)[:8]} vs {list(want)[:8]}")
+        elif not vote and not np.array_equal(got_scores, host[want]):
+            mismatches.append(f"case {case}: scores {got_scores[:4]} vs {host[want][:4]}")
         cases += 1
     print("RESULT " + json.dumps({"cases": cases, "mismatches": mismatches}))
 
