@@ -5,8 +5,8 @@
 For each data set of ../shared/data (MetaTool, StableToolBench, Seal-Tools), on the fixed validation split
 (shared/dataset.py; `--split train` or `--split selection` to choose settings, never validation), its catalog
 published with the training split's single-tool queries as examples (shared/dataset.registry; on another split,
-less the queries measured): BM25 top-k, the dense encoder's top-k, the vote of the examples nearest the query
-(k nearest neighbours), the fusion of the three (the decoder's retriever), the share of gold tools within the
+less the queries measured): BM25 top-k, the dense encoder's top-k, the vote of the tools' requests nearest the
+query (k nearest neighbours), the fusion of the three (the decoder's retriever), the share of gold tools within the
 shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through the engine (the shortlist in
 the prompt, the generator constrained to it, the answer's order fused with retrieval at each --weights value).
 k is each query's number of gold tools. Prints a markdown table with rows per k and writes
@@ -115,7 +115,7 @@ class Harness:
             lists["bm25"].append([names[i] for i in top_n(retriever.index.scores(q.text, len(names)), k)])
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
             votes = retriever.votes(parts, np.ones(len(names), bool))
-            lists["examples"].append([names[i] for i in top_n(votes.astype(np.float32), k)])
+            lists["requests"].append([names[i] for i in top_n(votes.astype(np.float32), k)])
             s = retriever.shortlist(q.text, max(SHORTLIST, k))
             shortlists.append(s)
             lists["fused"].append([names[i] for i in s.ids[:k]])
@@ -189,7 +189,7 @@ def quality_arguments(p) -> None:
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
     p.add_argument("--vote-weight", type=float, default=VOTE_WEIGHT,
-                   help="what the nearest examples' vote adds to the fusion (training split only)")
+                   help="what the nearest requests' vote adds to the fusion (training split only)")
 
 
 def quality(args) -> None:

@@ -3,9 +3,9 @@
 Each tool's score is a weighted sum of its dense score and its BM25 score, each standardised over the tools the
 request allows (minus the mean, over the standard deviation), so that neither scale dominates. The dense score
 is the best cosine between the tool's vector and the intent or one of its clauses (a request for several tools
-names each in a clause); a tool's vector is its text's, pulled towards the mean of its examples' (requests it
-answers, from the registry). The examples nearest the intent also vote for their tools: a request phrased like
-one the catalog's owner labelled goes where that one went. Every choice here was measured on the training split
+names each in a clause); a tool's vector is its text's, pulled towards the mean of its requests' (its examples:
+requests it answers, from the registry; or one written from its description). The requests nearest the intent
+also vote for their tools: a request phrased like one the catalog's owner labelled goes where that one went. Every choice here was measured on the training split
 (docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same intent gives the same
 shortlist, alone or in any batch.
 """
@@ -26,21 +26,21 @@ from shared.trie import Trie, read_blob_metadata
 DENSE_WEIGHT = 0.6
 SHORTLIST = 20
 MAX_PARTS = 8    # the intent and at most 7 of its clauses
-VOTE_WEIGHT = 1.0         # what the nearest examples' whole vote adds to a tool's fused score
-NEIGHBOURS = 10           # the examples nearest the intent that vote
+VOTE_WEIGHT = 1.0         # what the nearest requests' whole vote adds to a tool's fused score
+NEIGHBOURS = 10           # the requests nearest the intent that vote
 VOTE_TEMPERATURE = 0.05   # their shares: a softmax of their cosines at this temperature
-VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its examples' mean or a written request;
-                     # 3 and the examples' own vectors
+VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its requests' mean; 3 and the requests'
+                     # own vectors
 _CLAUSE = re.compile(r"(?<=[.?!;])\s+|,? and (?:then |also )?|,? then |, also ")
 
 
 @dataclass(frozen=True)
 class Vectors:
-    """A catalog version's dense side: every tool's unit vector, and every example's (the requests the registry
-    says a tool answers) with the tool it belongs to."""
+    """A catalog version's dense side: every tool's unit vector, and the vector of every request that stands for
+    a tool (tool_requests) with the tool it belongs to."""
     tools: np.ndarray      # float32 [tools, dim]
-    examples: np.ndarray   # float32 [examples, dim]
-    owner: np.ndarray      # int32 [examples]: the example's tool (pointer id)
+    requests: np.ndarray   # float32 [requests, dim]
+    owner: np.ndarray      # int32 [requests]: the request's tool (pointer id)
 
 
 @dataclass(frozen=True)
@@ -77,9 +77,9 @@ def vectors_digest(encoder) -> str:
 
 def vectors_blob(vectors: Vectors, content_hash: str, encoder_digest: str) -> bytes:
     """A version's vectors as stored beside it: float16, with what they were computed from and their hash."""
-    tools, examples = (np.ascontiguousarray(v, np.float16) for v in (vectors.tools, vectors.examples))
-    return st_save({"vectors": tools, "examples": examples},
-                   {"content_hash": content_hash, "encoder": encoder_digest, "sha256": _digest(tools, examples)})
+    tools, requests = (np.ascontiguousarray(v, np.float16) for v in (vectors.tools, vectors.requests))
+    return st_save({"vectors": tools, "requests": requests},
+                   {"content_hash": content_hash, "encoder": encoder_digest, "sha256": _digest(tools, requests)})
 
 
 def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) -> Vectors:
@@ -88,13 +88,13 @@ def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) ->
     arrays = st_load(blob)
     if meta.get("content_hash") != trie.meta["content_hash"] or meta.get("encoder") != encoder_digest:
         raise ValueError("stored tool vectors belong to another catalog version or encoder")
-    if set(arrays) != {"vectors", "examples"} or _digest(arrays["vectors"], arrays["examples"]) != meta.get("sha256"):
+    if set(arrays) != {"vectors", "requests"} or _digest(arrays["vectors"], arrays["requests"]) != meta.get("sha256"):
         raise ValueError("stored tool vectors do not match their recorded hash")
-    owner = example_owner(trie)
-    for key, rows in (("vectors", len(trie.pointer_names)), ("examples", len(owner))):
+    owner = tool_requests(trie)[1]
+    for key, rows in (("vectors", len(trie.pointer_names)), ("requests", len(owner))):
         if arrays[key].shape != (rows, dim) or not np.all(np.isfinite(arrays[key])):
             raise ValueError(f"stored {key} have shape {arrays[key].shape}, expected {(rows, dim)}")
-    return Vectors(arrays["vectors"].astype(np.float32), arrays["examples"].astype(np.float32), owner)
+    return Vectors(arrays["vectors"].astype(np.float32), arrays["requests"].astype(np.float32), owner)
 
 
 def _digest(*arrays: np.ndarray) -> str:
@@ -104,10 +104,17 @@ def _digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
-def example_owner(trie: Trie) -> np.ndarray:
-    """int32 [examples]: the tool of each of the version's examples, in the registry's order."""
-    counts = [len(e) for e in trie.meta.get("examples") or [[]] * len(trie.pointer_names)]
-    return np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+def tool_requests(trie: Trie) -> tuple[list[str], np.ndarray]:
+    """(texts, owner): the requests that stand for each tool, by pointer id (its examples; for a tool without any,
+    one written from its description, so that every tool leans alike towards how requests are phrased and has a
+    voice in the vote; none without a description), and the int32 tool of each."""
+    texts, owner = [], []
+    for i, (e, d) in enumerate(zip(trie.meta.get("examples") or [[]] * len(trie.pointer_names),
+                                   trie.meta["descriptions"])):
+        mine = list(e) or ([written_request(d)] if d.strip() else [])
+        texts += mine
+        owner += [i] * len(mine)
+    return texts, np.asarray(owner, np.int32)
 
 
 def written_request(description: str, template: str = "I need to {d}") -> str:
@@ -120,22 +127,16 @@ def written_request(description: str, template: str = "I need to {d}") -> str:
 
 
 def tool_vectors(trie: Trie, encoder) -> Vectors:
-    """Each tool's unit vector: its text's plus the mean of its examples', normalised; and the examples' own. A
-    tool without examples has one written from its description, so that every vector leans alike towards how
-    requests are phrased (a written one never votes)."""
+    """Each tool's unit vector, its text's plus the mean of its requests' (tool_requests), normalised; and the
+    requests' own vectors."""
     n = len(trie.pointer_names)
-    examples = trie.meta.get("examples") or [[]] * n
-    written = {i: written_request(d) for i, (e, d) in enumerate(zip(examples, trie.meta["descriptions"]))
-               if not e and d.strip()}
-    owner = example_owner(trie)
-    encoded = encoder.encode(tool_texts(trie) + [x for e in examples for x in e] + list(written.values()))
-    encoded = encoded.astype(np.float64)
-    rows = np.concatenate([owner, np.fromiter(written, np.int32, len(written))])
+    texts, owner = tool_requests(trie)
+    encoded = encoder.encode(tool_texts(trie) + texts).astype(np.float64)
     sums = np.zeros((n, encoded.shape[1]))
-    np.add.at(sums, rows, encoded[n:])
-    tools = encoded[:n] + sums / np.maximum(np.bincount(rows, minlength=n), 1)[:, None]
+    np.add.at(sums, owner, encoded[n:])
+    tools = encoded[:n] + sums / np.maximum(np.bincount(owner, minlength=n), 1)[:, None]
     tools /= np.linalg.norm(tools, axis=1, keepdims=True)
-    return Vectors(tools.astype(np.float32), encoded[n:n + len(owner)].astype(np.float32), owner)
+    return Vectors(tools.astype(np.float32), encoded[n:].astype(np.float32), owner)
 
 
 def computed_vectors(trie: Trie, encoder) -> tuple[Vectors, bytes]:
@@ -154,11 +155,11 @@ class Retriever:
                  dense_weight: float = DENSE_WEIGHT, vote_weight: float = VOTE_WEIGHT):
         self.index, self.size, self.vectors, self.encoder = index, size, vectors, encoder
         self.dense_weight = dense_weight if encoder is not None else 0.0
-        self.vote_weight = vote_weight if encoder is not None and len(vectors.examples) else 0.0
+        self.vote_weight = vote_weight if encoder is not None and len(vectors.requests) else 0.0
         self.device, self.device_max = None, 0
         if encoder is not None and encoder.backend_name == "cuda":
             from decoder_service.retrieval_cuda import MAX_N, DeviceScorer
-            voters = (vectors.examples, vectors.owner) if self.vote_weight else None
+            voters = (vectors.requests, vectors.owner) if self.vote_weight else None
             self.device, self.device_max = DeviceScorer(vectors.tools, voters), MAX_N
             # the cosines' mean and second moment over every tool, for any vector q: mean @ q and q @ gram @ q
             tools = vectors.tools.astype(np.float64)
@@ -182,15 +183,15 @@ class Retriever:
         return fused
 
     def votes(self, parts: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """float64 [tools]: the NEIGHBOURS examples of kept tools nearest the intent (best cosine over its parts)
+        """float64 [tools]: the NEIGHBOURS requests of kept tools nearest the intent (best cosine over its parts)
         share one vote, by a softmax of their cosines, each giving its share to its tool."""
         owner = self.vectors.owner
         mine = np.flatnonzero(keep[owner])
         out = np.zeros(self.size)
         if len(mine) == 0:
             return out
-        examples = self.vectors.examples if len(mine) == len(owner) else self.vectors.examples[mine]
-        cos = (examples @ parts.T).max(axis=1)
+        requests = self.vectors.requests if len(mine) == len(owner) else self.vectors.requests[mine]
+        cos = (requests @ parts.T).max(axis=1)
         near = top_n(cos, min(NEIGHBOURS, len(mine)))
         share = np.exp((cos[near].astype(np.float64) - cos[near[0]]) / VOTE_TEMPERATURE)
         np.add.at(out, owner[mine[near]], share / share.sum())
@@ -210,7 +211,7 @@ class Retriever:
         return Shortlist(ids, scores, time.perf_counter() - started)
 
     def _on_device(self, intent: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the examples' votes: the intent's
+        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the requests' votes: the intent's
         cosines' mean and spread from the precomputed moments, BM25's from the matched tools (the others score
         0)."""
         parts = self.encoder.encode(intent_parts(intent))

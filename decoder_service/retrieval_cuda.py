@@ -1,7 +1,7 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
-A version's tool and example vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with
-the intent's parts), the examples' votes (k_fuse over the examples, a two-level k_best for the nearest, k_vote),
+A version's tool and request vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with
+the intent's parts), the requests' votes (k_fuse over the requests, a two-level k_best for the nearest, k_vote),
 k_add (BM25) and a two-level k_best leave only n ids and scores for the host, in retrieval.top_n's order, the
 same in any order of requests (P78).
 """
@@ -57,7 +57,7 @@ def k_add(ids, values, m, c, out):
 
 @cuda.jit(cache=not SIM)
 def k_vote(near_scores, near_ids, owner, count, weight, temperature, out):
-    """out[owner[e]] += weight * e's share of the vote, for the `count` nearest examples e (best first): a
+    """out[owner[e]] += weight * e's share of the vote, for the `count` nearest requests e (best first): a
     softmax of their cosines, in float64, added by one thread in rank order (a tool with several of them sums
     in a fixed order)."""
     if cuda.threadIdx.x != 0 or cuda.blockIdx.x != 0:
@@ -116,7 +116,7 @@ def k_best(scores, ids, n, slice_len, top, out_scores, out_ids):
 
 
 class DeviceScorer:
-    """One version's tool vectors (and its examples', which vote) on the device, and the buffers of its
+    """One version's tool vectors (and its requests', which vote) on the device, and the buffers of its
     shortlist (one request at a time)."""
 
     def __init__(self, vectors: np.ndarray, voters: tuple[np.ndarray, np.ndarray] | None = None):
@@ -144,15 +144,15 @@ class DeviceScorer:
         self.best = Best(self.scores, n, self.top, MAX_N, self.no_ids, h)
         self.vote = None
         if voters is not None and len(voters[1]):
-            examples, owner = voters
+            requests, owner = voters
             count = min(NEIGHBOURS, len(owner))
-            self.examples = cuda.to_device(np.ascontiguousarray(examples, np.float16).ravel())
-            self.example_scores = cuda.device_array(len(owner), np.float32)
+            self.requests = cuda.to_device(np.ascontiguousarray(requests, np.float16).ravel())
+            self.request_scores = cuda.device_array(len(owner), np.float32)
             self.owner = cuda.to_device(np.ascontiguousarray(owner, np.int32))
-            self.example_fuse = Launch(k.fuse, WARPS * WARP, 0, dict(
-                vectors=self.examples, dim=dim, n=len(owner), queries=self.queries, parts=self.parts, a=1.0, k0=0.0,
-                out=self.example_scores), h)
-            self.nearest = Best(self.example_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.no_ids, h)
+            self.request_fuse = Launch(k.fuse, WARPS * WARP, 0, dict(
+                vectors=self.requests, dim=dim, n=len(owner), queries=self.queries, parts=self.parts, a=1.0, k0=0.0,
+                out=self.request_scores), h)
+            self.nearest = Best(self.request_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.no_ids, h)
             self.vote = Launch(k.vote, 1, 0, dict(
                 near_scores=self.nearest.scores, near_ids=self.nearest.ids, owner=self.owner, count=count,
                 weight=self.weight, temperature=VOTE_TEMPERATURE, out=self.scores), h)
@@ -162,7 +162,7 @@ class DeviceScorer:
                   top: int, vote_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(ids, scores) of the `top` best tools by a * (best cosine over the rows of queries) + k0 + c*bm25
         (matched = the BM25 index's (ids, values) of the tools with a nonzero score) + vote_weight * the
-        examples' votes (retrieval.Retriever.votes), best first."""
+        requests' votes (retrieval.Retriever.votes), best first."""
         if top > MAX_N or top > self.n:
             raise ValueError(f"the device shortlist holds 1 to {min(MAX_N, self.n)} tools, asked for {top}")
         if not 1 <= len(queries) <= MAX_PARTS:
@@ -180,7 +180,7 @@ class DeviceScorer:
             s.h2d(self.matched_values, self.host_values, m)
             self.fuse.launch(-(-self.n // WARPS))
             if self.vote is not None and vote_weight:
-                self.example_fuse.launch(-(-len(self.owner) // WARPS))
+                self.request_fuse.launch(-(-len(self.owner) // WARPS))
                 self.nearest.launch()
                 self.vote.launch(1)
             if m:

@@ -1,5 +1,5 @@
 """The first stage: BM25 terms and index, fusion with the dense scores, the intent's clauses, the examples'
-pull on a tool's vector and their vote, the shortlist's order, stored vectors."""
+pull on a tool's vector and the requests' vote, the shortlist's order, stored vectors."""
 from __future__ import annotations
 
 import numpy as np
@@ -83,9 +83,9 @@ def test_an_intent_splits_into_its_clauses_of_three_words_or_more():
     assert len(intent_parts(many)) == 8 and intent_parts(many)[1] == "Please do task number 0."
 
 
-def without_examples(tools) -> Vectors:
+def without_requests(tools) -> Vectors:
     tools = np.asarray(tools, np.float32)
-    return Vectors(tools, np.zeros((0, tools.shape[1]), np.float32), np.zeros(0, np.int32))
+    return Vectors(tools, np.zeros((0, tools.shape[1]), np.float32), np.zeros(0, np.int32))   # no vote
 
 
 class Table:
@@ -100,7 +100,7 @@ class Table:
 
 
 def test_each_clause_of_a_request_for_two_tools_finds_its_tool():
-    vectors = without_examples([[1, 0], [0, 1], [0.8, 0.6]])
+    vectors = without_requests([[1, 0], [0, 1], [0.8, 0.6]])
     intent = "convert the money first and then check the weather"
     table = Table({intent: [0.6, 0.8], "convert the money first": [1, 0], "check the weather": [0, 1],
                    "the weather please": [0.6, 0.8]})
@@ -122,11 +122,12 @@ def test_examples_pull_a_tools_vector_towards_the_requests_it_answers():
     a = np.asarray([1, 0]) + (np.asarray([0, 1]) + np.asarray([0.6, 0.8])) / 2
     assert np.allclose(got.tools, [a / np.linalg.norm(a), [0.8, 0.6], [0, 1]], atol=1e-7)
     assert got.tools.dtype == np.float32
-    # the examples keep their own vectors, to vote; a written request does not
-    assert np.array_equal(got.examples, np.asarray([[0, 1], [0.6, 0.8]], np.float32)) and got.owner.tolist() == [0, 0]
+    # the requests keep their own vectors, to vote: the examples, and the written one of a tool without any
+    assert np.array_equal(got.requests, np.asarray([[0, 1], [0.6, 0.8], [4, 0]], np.float32))
+    assert got.owner.tolist() == [0, 0, 1]
 
 
-def test_the_examples_nearest_a_request_vote_for_their_tools():
+def test_the_requests_nearest_an_intent_vote_for_their_tools():
     # tool 0's text is nearest the request, but tool 1 answered a request phrased like it
     vectors = Vectors(np.asarray([[1, 0], [0.6, 0.8], [0, 1]], np.float32),
                       np.asarray([[0.96, 0.28], [0, 1]], np.float32), np.asarray([1, 2], np.int32))
@@ -138,13 +139,13 @@ def test_the_examples_nearest_a_request_vote_for_their_tools():
     assert voted.shortlist("a request", 3).ids.tolist() == [1, 0, 2]
     votes = voted.votes(fixed.encode([]), np.ones(3, bool))
     assert votes.sum() == pytest.approx(1.0) and votes[1] > 0.99 and votes[0] == 0     # a softmax of the cosines
-    # only the allowed tools' examples vote: without tool 1, the whole vote is tool 2's example's
+    # only the allowed tools' requests vote: without tool 1, the whole vote is tool 2's request's
     assert voted.votes(fixed.encode([]), np.asarray([True, False, True])).tolist() == [0, 0, 1]
-    # at most NEIGHBOURS examples vote, the nearest
+    # at most NEIGHBOURS requests vote, the nearest
     many = Vectors(vectors.tools, np.tile([[0.96, 0.28]], (NEIGHBOURS + 1, 1)).astype(np.float32),
                    np.asarray([1] * NEIGHBOURS + [2], np.int32))
     votes = Retriever(bm25, 3, many, fixed).votes(fixed.encode([]), np.ones(3, bool))
-    assert votes[1] == pytest.approx(1.0) and votes[2] == 0     # equal cosines: the lower example ids vote
+    assert votes[1] == pytest.approx(1.0) and votes[2] == 0     # equal cosines: the lower request ids vote
 
 
 class Fixed:
@@ -160,7 +161,7 @@ class Fixed:
 
 def test_fusion_standardises_both_scores_over_the_allowed_tools():
     docs = [["weather"], ["weather", "weather"], ["news"], ["flight"]]
-    vectors = without_examples([[1, 0], [0, 1], [0.6, 0.8], [0.8, 0.6]])
+    vectors = without_requests([[1, 0], [0, 1], [0.6, 0.8], [0.8, 0.6]])
     lexical = Retriever(Bm25Index.build(docs), 4)
     assert lexical.shortlist("weather", 2).ids.tolist() == [1, 0]          # BM25 alone
     dense = Retriever(Bm25Index.build(docs), 4, vectors, Fixed([1, 0]), dense_weight=1.0)
@@ -175,14 +176,14 @@ def test_fusion_standardises_both_scores_over_the_allowed_tools():
 
 def test_stored_vectors_are_refused_unless_they_are_this_versions_and_intact():
     trie = Trie(np.asarray([0, 0], np.int32), *(np.empty(0, np.int32),) * 4, pointer_names=["a", "b"], sep_id=0,
-                stop_id=1, meta={"content_hash": "h1", "examples": [[], ["x", "y"]]})
+                stop_id=1, meta={"content_hash": "h1", "examples": [[], ["x", "y"]], "descriptions": ["", "b"]})
     vectors = Vectors(np.asarray([[1, 0], [0, 1]], np.float32), np.asarray([[0.75, 0.5], [0, 1]], np.float32),
                       np.asarray([1, 1], np.int32))
     blob = vectors_blob(vectors, "h1", "enc")
     read = vectors_from_blob(blob, trie, "enc", 2)
-    assert all(np.array_equal(getattr(read, f), getattr(vectors, f)) for f in ("tools", "examples", "owner"))
+    assert all(np.array_equal(getattr(read, f), getattr(vectors, f)) for f in ("tools", "requests", "owner"))
     trie.meta["examples"] = [[], ["x"]]            # another registry's examples
-    with pytest.raises(ValueError, match="stored examples have shape"):
+    with pytest.raises(ValueError, match="stored requests have shape"):
         vectors_from_blob(blob, trie, "enc", 2)
     trie.meta["examples"] = [[], ["x", "y"]]
     with pytest.raises(ValueError, match="another catalog version or encoder"):
@@ -222,9 +223,9 @@ def test_a_versions_vectors_are_computed_once_and_read_back_by_a_restarted_decod
     computed = CatalogManager(store, None, encoder=first).retriever("tools", 1, trie)
     read = CatalogManager(store, None, encoder=restarted).retriever("tools", 1, trie)
     assert first.encoded == 2 + 2 + 1 and restarted.encoded == 0       # texts, examples, beta's written request
-    for f in ("tools", "examples", "owner"):
+    for f in ("tools", "requests", "owner"):
         assert np.array_equal(getattr(read.vectors, f), getattr(computed.vectors, f))
-    alpha = trie.pointer_names.index("alpha")
-    assert read.vectors.examples.shape == (2, 4) and read.vectors.owner.tolist() == [alpha, alpha]
+    requests = {"alpha": 2, "beta": 1}       # its examples; a written one
+    assert read.vectors.owner.tolist() == [i for i, t in enumerate(trie.pointer_names) for _ in range(requests[t])]
     assert read.shortlist("convert pounds", 2).ids.tolist() == computed.shortlist("convert pounds", 2).ids.tolist()
 

@@ -1,4 +1,4 @@
-"""The device shortlist (retrieval_cuda: k_fuse, the examples' k_vote, k_add, k_best) against the host's top_n,
+"""The device shortlist (retrieval_cuda: k_fuse, the requests' k_vote, k_add, k_best) against the host's top_n,
 under numba's CUDA simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is one."""
 from __future__ import annotations
 
@@ -31,9 +31,9 @@ def main() -> None:
     n, dim, m = (150, 8, 40) if SIM else (100_000, 384, 50_000)
     vectors = rng.standard_normal((n, dim)).astype(np.float16)
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
-    examples = rng.standard_normal((m, dim)).astype(np.float16)
+    requests = rng.standard_normal((m, dim)).astype(np.float16)
     owner = rng.integers(0, n, m).astype(np.int32)
-    scorer = DeviceScorer(vectors, (examples, owner))
+    scorer = DeviceScorer(vectors, (requests, owner))
     mismatches, cases = [], 0
     for case, (top, matched, parts, vote) in enumerate([(20, 0, 1, 0.0), (10, 25, 3, 0.0), (1, 3, 2, 0.0),
                                                         (40, n // 3, 8, 0.0), (20, n, 1, 0.0), (20, 25, 1, 2.0),
@@ -46,7 +46,7 @@ def main() -> None:
         got_ids, got_scores = scorer.shortlist(queries, 1.0, 0.0, (ids, values), 0.5, top, vote)
         host = vectors[:, axes].astype(np.float32).max(axis=1)   # the best part's cosine
         if vote:   # retrieval.Retriever.votes, added in the device's order and precision
-            cos = examples[:, axes].astype(np.float32).max(axis=1)
+            cos = requests[:, axes].astype(np.float32).max(axis=1)
             near = top_n(cos, NEIGHBOURS)
             share = np.exp((cos[near].astype(np.float64) - cos[near[0]]) / VOTE_TEMPERATURE)
             for e, x in zip(near, share / share.sum()):
