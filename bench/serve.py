@@ -41,8 +41,8 @@ from bench.common import (BLOCK, MAX_SEQS, RESULTS, copy_bandwidth, device_label
                           log, make_backend, model_for)
 from bench.workload import EngineDriver, large_catalog, load_workload
 from decoder_service.encoder import load_encoder
-from decoder_service.model.backend import device_name
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
+from decoder_service.model.backend import device_name
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors
 from shared.config import DEFAULT_MODEL_DIR, Settings
