@@ -125,6 +125,7 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
 def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                           EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries),
+                                       chunk_size=getattr(be, "max_rows", EngineConfig.chunk_size),
                                        fusion_weight=Settings().fusion_weight))
     driver = EngineDriver(engine)
     try:
@@ -282,6 +283,8 @@ def serve_arguments(p) -> None:
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes and workloads of an earlier run's JSON (a shape or a workload "
                         "per command where a command's time is limited)")
+    p.add_argument("--option", action="append", default=[], metavar="NAME=V",
+                   help="build the GPU backend with CudaBackend option NAME=V (e.g. attn_tile_from=0); repeatable")
     p.add_argument("--count-graphs", action="store_true",
                    help="count the decode graphs forward() captured against their distinct keys (GPU)")
 
@@ -315,6 +318,7 @@ def _serve(args) -> None:
     if not args.no_peer and not peer_ok:
         log("the peer needs torch and xgrammar (pip install '.[bench]'): skipped")
     rows_list = [int(r) for r in args.rows.split(",")]
+    options = {name: int(v) for name, v in (o.split("=", 1) for o in args.option)}
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
     encoder = load_encoder(Settings().encoder_dir, "cuda" if gpu else "cpu")
     if args.retrieval_tools:
@@ -328,7 +332,8 @@ def _serve(args) -> None:
         ctx_blocks = -(-cfg.max_position_embeddings // BLOCK)
         step_tokens = max(rows_list) * 1024 if gpu else 0
         spec = KVPoolSpec.from_tokens(max(step_tokens, 8192 + MAX_SEQS * 512), BLOCK)
-        be = make_backend(cfg, weights, spec, gpu, max_table=max(MAX_SEQS * ctx_blocks, max(rows_list) * 64))
+        be = make_backend(cfg, weights, spec, gpu, max_table=max(MAX_SEQS * ctx_blocks, max(rows_list) * 64),
+                          **options)
         if gpu and "metatool" in workloads:          # the decode-step table is measured at the MetaTool root
             entry["step"] = step_table(be, workloads["metatool"][0], rows_list)
         elif args.merge and "step" in res["shapes"].get(shape, {}):
