@@ -31,7 +31,7 @@ def backend(tmp_path_factory, tok):
 
 @pytest.fixture(scope="module")
 def engine(backend, tok):
-    return make_engine(backend, tok, NUM_BLOCKS)
+    return make_engine(backend, tok, NUM_BLOCKS, chunk_size=256)   # a shortlist prompt in several chunks
 
 
 @pytest.fixture(scope="module")

@@ -59,7 +59,7 @@ class TokenizerMismatch(ValueError):
 class EngineConfig:
     max_seqs: int = 64             # sequences decoding at once (slots)
     max_waiting: int = 256         # bounded queue; past it submit raises QueueFull
-    chunk_size: int = 512          # most prompt tokens of one sequence in one step
+    chunk_size: int = 1024         # most prompt tokens of one sequence in one step
     max_step_tokens: int = 2048    # most rows in one step
     max_intent_chars: int = 4000
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask

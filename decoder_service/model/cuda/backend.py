@@ -131,9 +131,9 @@ class CudaBackend:
     name = "cuda"
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec, *,
-                 max_rows: int = 512, max_logit_rows: int = 128, max_candidates: int = 256,
+                 max_rows: int = 1024, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
-                 attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 2048,
+                 attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 0,
                  gemm_warps: int | None = None, graph_rows: int = 16, max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
@@ -186,7 +186,7 @@ class CudaBackend:
         self.tiles_kernel = MMA_ATTN_KERNELS[mma_bound] if self.mma_attn else "k_attn_tiles"
         tile_queries = MQ if self.mma_attn else QB
         self.rows_per_tile = tile_queries // (nh // nkv)   # rows whose queries share a block
-        self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles
+        self.attn_tile_from = int(attn_tile_from)  # prompt rows from this position on attend in tiles (P83)
         if self.rows_per_tile < 1:
             raise ModelError(f"cuda backend: {nh // nkv} query heads per KV head > {tile_queries}")
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
