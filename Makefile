@@ -73,7 +73,7 @@ fuzz: setup model
 quality: setup model
 	$(PY) -m bench quality
 
-# The committed adapters' recipe on a GPU (seed 0; docs/quality.md): shortlists from the service's retriever
+# Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from the service's retriever
 # over each catalog published with its training split as examples (tune/shortlist.py), the selection split kept
 # out. Writes var/tune/ (adapters, merged model, card.json).
 tune: setup model
