@@ -103,12 +103,12 @@ def model_for(shape: str, gpu: bool):
 
 
 def make_backend(cfg, weights, spec, gpu: bool, max_table: int, **options):
-    """The serving run's backend: CUDA (MAX_SEQS logit rows, 1,024 candidates; `options` to its constructor)
-    or the CPU one."""
+    """The serving run's backend: CUDA (the served step size, MAX_SEQS logit rows, 1,024 candidates; `options` to
+    its constructor) or the CPU one."""
     if gpu:
         from decoder_service.model.cuda.backend import CudaBackend
-        return CudaBackend(cfg, weights, spec, **{"max_rows": 512, "max_logit_rows": MAX_SEQS,
-                                                   "max_candidates": 1024, "max_table": max_table, **options})
+        return CudaBackend(cfg, weights, spec, **{"max_logit_rows": MAX_SEQS, "max_candidates": 1024,
+                                                   "max_table": max_table, **options})
     from decoder_service.model.cpu import CpuBackend
     return CpuBackend(cfg, weights, spec)
 
