@@ -5,9 +5,9 @@ request allows (minus the mean, over the standard deviation), so that neither sc
 is the best cosine between the tool's vector and the intent or one of its clauses (a request for several tools
 names each in a clause); a tool's vector is its text's, pulled towards the mean of its requests' (its examples:
 requests it answers, from the registry; or one written from its description). The requests nearest the intent
-also vote for their tools: a request phrased like one the catalog's owner labelled goes where that one went. Every choice here was measured on the training split
-(docs/quality.md). The shortlist is the N best, the lower pointer id on a tie: the same intent gives the same
-shortlist, alone or in any batch.
+also vote for their tools: a request phrased like one the catalog's owner labelled goes where that one went.
+Every choice here was measured on the training split (docs/quality.md). The shortlist is the N best, the lower
+pointer id on a tie: the same intent gives the same shortlist, alone or in any batch.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def vectors_from_blob(blob: bytes, trie: Trie, encoder_digest: str, dim: int) ->
         raise ValueError("stored tool vectors belong to another catalog version or encoder")
     if set(arrays) != {"vectors", "requests"} or _digest(arrays["vectors"], arrays["requests"]) != meta.get("sha256"):
         raise ValueError("stored tool vectors do not match their recorded hash")
-    owner = tool_requests(trie)[1]
+    owner = request_owner(trie)
     for key, rows in (("vectors", len(trie.pointer_names)), ("requests", len(owner))):
         if arrays[key].shape != (rows, dim) or not np.all(np.isfinite(arrays[key])):
             raise ValueError(f"stored {key} have shape {arrays[key].shape}, expected {(rows, dim)}")
@@ -104,17 +104,22 @@ def _digest(*arrays: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def request_owner(trie: Trie) -> np.ndarray:
+    """int32 [requests]: the tool of each request that stands for a tool, by pointer id, without writing them: a
+    tool's examples, or for a tool without any one written from its description (none without a description),
+    so that every tool leans alike towards how requests are phrased and has a voice in the vote."""
+    examples = trie.meta.get("examples") or [[]] * len(trie.pointer_names)
+    counts = [len(e) if e else int(bool(d.strip())) for e, d in zip(examples, trie.meta["descriptions"])]
+    return np.repeat(np.arange(len(counts), dtype=np.int32), counts)
+
+
 def tool_requests(trie: Trie) -> tuple[list[str], np.ndarray]:
-    """(texts, owner): the requests that stand for each tool, by pointer id (its examples; for a tool without any,
-    one written from its description, so that every tool leans alike towards how requests are phrased and has a
-    voice in the vote; none without a description), and the int32 tool of each."""
-    texts, owner = [], []
-    for i, (e, d) in enumerate(zip(trie.meta.get("examples") or [[]] * len(trie.pointer_names),
-                                   trie.meta["descriptions"])):
-        mine = list(e) or ([written_request(d)] if d.strip() else [])
-        texts += mine
-        owner += [i] * len(mine)
-    return texts, np.asarray(owner, np.int32)
+    """(texts, owner): request_owner's requests, tool by tool, and their owners."""
+    owner = request_owner(trie)
+    counts = np.bincount(owner, minlength=len(trie.pointer_names))
+    examples = trie.meta.get("examples") or [[]] * len(counts)
+    texts = [x for e, d, c in zip(examples, trie.meta["descriptions"], counts) for x in e or [written_request(d)] * c]
+    return texts, owner
 
 
 def written_request(description: str, template: str = "I need to {d}") -> str:
