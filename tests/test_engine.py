@@ -193,6 +193,19 @@ def test_cancel_and_deadline_free_every_block(engine, catalog):
     assert not engine.scheduler.running and not engine.scheduler.waiting
 
 
+def test_a_versions_tables_are_built_at_load_not_by_its_first_request(engine, tok):
+    """The tables a request reads (the sampler's fan-out and stop nodes, the forced last edges, the name index,
+    the names' tokens) are in the version before any request, so its first costs what the others do."""
+    from functools import cached_property
+    rt = engine.load_catalog(metatool_trie(tok, first=12))
+    tables = [n for n, a in vars(type(rt)).items() if isinstance(a, cached_property)]
+    assert {"max_fanout", "last_pointer_edge", "spelled"} <= set(tables)
+    assert all(n in vars(rt) for n in tables)       # computed, not waiting for a first access
+    engine.run_until_idle()
+    engine.release_catalog(rt)
+    engine.run_until_idle()
+
+
 def test_the_prefix_tail_is_copied_and_released_with_its_version(engine, tok, catalog, monkeypatch):
     """A request prefills only its own rows: the prefix's whole blocks are shared and the K/V of its
     last partial block is copied in; releasing an idle version frees every block it held."""
