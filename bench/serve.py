@@ -125,7 +125,6 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
 def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                           EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries),
-                                       chunk_size=getattr(be, "max_rows", EngineConfig.chunk_size),
                                        fusion_weight=Settings().fusion_weight))
     driver = EngineDriver(engine)
     try:
