@@ -27,7 +27,7 @@ CHAT_FORMATS = {
 @dataclass(frozen=True)
 class PromptTemplate:
     prefix: str      # the start of the system turn, shared by every request on the version
-    suffix: str      # holds {tools}, {intent} and {k}; ends where the first tool name begins
+    suffix: str      # holds {tools} (or lists none), then {intent}, and {k}; ends where the first name begins
     separator: str   # written between two tool names
     stop_token: str  # written after the last one
     description_chars: int = DESCRIPTION_CHARS
@@ -39,17 +39,23 @@ class PromptTemplate:
     def from_json(cls, text: str) -> "PromptTemplate":
         return cls(**json.loads(text))
 
-    def tool_lines(self, names: list[str], descriptions: list[str]) -> str:
-        """The shortlist as the prompt lists it, one tool a line, descriptions cut to the budget."""
-        return "\n".join(tool_line(n, d, self.description_chars) for n, d in zip(names, descriptions))
+    def line_ids(self, tokenizer, name: str, description: str) -> list[int]:
+        """One tool's line of the shortlist, as tokens (request_ids joins them)."""
+        return tokenizer.encode(tool_line(name, description, self.description_chars))
 
-    def request_ids(self, tokenizer, names: list[str], descriptions: list[str], intent: str, k: int) -> list[int]:
-        """The request's own tokens after the prefix. The intent is user text, tokenized with special-token
-        parsing off (`tokenizer.encode_plain`), so a "<|im_end|>" typed by a user cannot end the turn;
-        {k} is filled before the split, so an intent that contains "{k}" stays as written."""
-        text = self.suffix.replace("{tools}", self.tool_lines(names, descriptions)).replace("{k}", str(k))
-        before, after = text.split("{intent}", 1)
-        return tokenizer.encode(before) + tokenizer.encode_plain(intent) + tokenizer.encode(after)
+    def request_ids(self, tokenizer, lines: list[list[int]], intent: str, k: int) -> list[int]:
+        """The request's own tokens after the prefix: the suffix with {k} filled, the shortlist's lines (line_ids)
+        joined by newlines at {tools}, and the intent at {intent}, tokenized as user text (`encode_plain`: a
+        "<|im_end|>" typed by a user cannot end the turn). Each part is tokenized alone, so a description cannot
+        reach the template's placeholders and a version tokenizes each tool's line once; a byte-level BPE
+        splits the whole text at those seams anyway (tests/test_prompt.py: the same tokens)."""
+        head, tools, rest = self.suffix.replace("{k}", str(k)).rpartition("{tools}")   # ("", "", all) without
+        middle, tail = rest.split("{intent}", 1)
+        newline = tokenizer.encode("\n")
+        ids = tokenizer.encode(head)
+        for i, line in enumerate(lines if tools else []):
+            ids += newline + line if i else line
+        return ids + tokenizer.encode(middle) + tokenizer.encode_plain(intent) + tokenizer.encode(tail)
 
 
 def chat_format(model_dir: Path) -> tuple[str, str, str]:

@@ -78,8 +78,8 @@ class Encoder:
     def prompt(self, item: Item, order: list[int]) -> list[int]:
         """The request's prompt with the shortlist listed in `order` (tool indices)."""
         c = item.catalog
-        return self.prefix_ids + self.template.request_ids(
-            self.tok, [c.names[i] for i in order], [c.descriptions[i] for i in order], item.query, len(item.gold))
+        lines = [self.template.line_ids(self.tok, c.names[i], c.descriptions[i]) for i in order]
+        return self.prefix_ids + self.template.request_ids(self.tok, lines, item.query, len(item.gold))
 
     def answer(self, item: Item) -> list[int]:
         """The gold names' tokens, separator between two, the stop token last."""

@@ -121,6 +121,21 @@ class CatalogRuntime:
     def descriptions(self) -> list[str]:
         return self.trie.meta["descriptions"]
 
+    @cached_property
+    def lines(self) -> list[list[int] | None]:
+        """Each tool's prompt line as tokens, by pointer id, filled at the tool's first shortlist on this version
+        (a 100,000-tool version tokenizes only the lines it lists)."""
+        return [None] * len(self.trie.pointer_names)
+
+    def request_ids(self, tokenizer, tools, intent: str, k: int) -> list[int]:
+        """A request's own prompt tokens after the prefix (PromptTemplate.request_ids): its shortlist's lines
+        (`tools`: pointer ids) in that order, then the intent and k."""
+        lines = self.lines
+        for i in tools:
+            if lines[i] is None:
+                lines[i] = self.template.line_ids(tokenizer, self.trie.pointer_names[i], self.descriptions[i])
+        return self.template.request_ids(tokenizer, [lines[i] for i in tools], intent, k)
+
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""
         missing = [n for n in names if n not in self.name_index]

@@ -181,7 +181,7 @@ class DecodeEngine:
             shortlist = self.retrieve(catalog, intent, k, allow)
         if timeout is not None and timeout <= 0:
             raise Expired("the request's deadline passed before it was queued")
-        prompt = catalog.prefix_ids + self.request_ids(catalog, shortlist, intent, k)
+        prompt = catalog.prefix_ids + catalog.request_ids(self.tok, shortlist.ids, intent, k)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
@@ -199,13 +199,6 @@ class DecodeEngine:
             self._inbox.append(("submit", seq))
             self._wake.notify()
         return seq
-
-    def request_ids(self, catalog: CatalogRuntime, shortlist: Shortlist, intent: str, k: int) -> list[int]:
-        """The request's own prompt tokens after the version's prefix: its shortlist in retrieval order,
-        then the intent and k."""
-        ids = [int(i) for i in shortlist.ids]
-        return catalog.template.request_ids(self.tok, [catalog.trie.pointer_names[i] for i in ids],
-                                            [catalog.descriptions[i] for i in ids], intent, k)
 
     def queue_depth(self) -> int:
         """Requests submitted and not yet admitted (catalog warm-ups do not count)."""
