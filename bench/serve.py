@@ -145,7 +145,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
                               "ttfp": percentiles([r["ttfp_s"] for r in solo]),
                               "tokens_per_answer": round(float(np.mean([r["tokens"] for r in solo])), 2),
                               **{f"mean_{part}": round(float(np.mean([r[part] for r in solo])), 3)
-                                 for part in ("queue_ms", "prefill_ms", "decode_ms")}},
+                                 for part in ("retrieval_ms", "submit_ms", "queue_ms", "prefill_ms", "decode_ms")}},
             "all_at_once": {"seconds": round(elapsed, 3), "qps": round(len(queries) / elapsed, 2),
                             **percentiles([r["wall_s"] for r in together]),
                             "same_as_alone": sum(answer_key(a) == answer_key(b) for a, b in zip(solo, together))},
@@ -155,7 +155,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
             out["determinism"] = determinism(driver, rt, queries, solo, det_seconds)
             log(f"  determinism: {out['determinism']}")
         engine.release_catalog(rt)
-        prompt = (rt.prefix_ids, [(engine.request_ids(rt, engine.retrieve(rt, q.intent, q.k), q.intent, q.k), q.k)
+        prompt = (rt.prefix_ids, [(rt.request_ids(tok, engine.retrieve(rt, q.intent, q.k).ids, q.intent, q.k), q.k)
                                   for q in queries])
         return out, [r["names"] for r in solo], prompt
     finally:

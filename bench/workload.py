@@ -104,11 +104,16 @@ class EngineDriver:
                         "prefill_ms": ev.prefill_ms, "decode_ms": ev.decode_ms}
 
     def one_by_one(self, rt, queries):
-        """Concurrency 1: each query submitted after the previous one finished."""
+        """Concurrency 1: each query submitted after the previous one finished, with the time its retrieval and
+        its submission (the prompt's tokens) took before the engine saw it."""
         out = []
         for q in queries:
             t0 = time.perf_counter()
-            out.append(self.collect(self.engine.submit(rt, q.intent, q.k), t0))
+            shortlist = self.engine.retrieve(rt, q.intent, q.k)
+            t1 = time.perf_counter()
+            seq = self.engine.submit(rt, q.intent, q.k, shortlist=shortlist)
+            t2 = time.perf_counter()
+            out.append({**self.collect(seq, t0), "retrieval_ms": (t1 - t0) * 1e3, "submit_ms": (t2 - t1) * 1e3})
         return out
 
     def all_at_once(self, rt, queries):
