@@ -25,7 +25,7 @@ and Stop, launch by launch (no graph), so that ncu's per-kernel durations add up
 time without the launch gaps a graph replay would still have.
 
 gemm: µs per layer of each matrix for M prompt rows at the SmolLM2 shape, the backend's GEMV row tiles
-against k_gemm (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness is
+against k_gemm's small and big tiles (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness is
 tests/test_gemm.py's.
 """
 from __future__ import annotations
@@ -251,6 +251,7 @@ def gemm_arguments(p) -> None:
 
 def gemm(args) -> None:
     from decoder_service.model.cuda.backend import GEMM_ROWS, TILE_ROWS, CudaBackend
+    from decoder_service.model.cuda.matmul import GEMM_MAX_MT
     from decoder_service.model.kv_pool import KVPoolSpec
     rows = ints(args.rows)
     cfg = shape_config("smollm2-135m")
@@ -259,16 +260,23 @@ def gemm(args) -> None:
     for buf in (be.x, be.att, be.act):
         buf.copy_to_device(rng.standard_normal(buf.size).astype(np.float32))
     timer = Timer(be)
-    print("| rows | matrix | GEMV tiles (µs/layer) | k_gemm (µs/layer) | ratio |\n| --- | --- | --- | --- | --- |")
+    print(", ".join(f"{n} {k.attrs.regs} regs/{k.attrs.local} B local" for n, k in be.kernels.items()
+                    if n.startswith("k_gemm")))
+    print("| rows | matrix | GEMV tiles (µs/layer) | k_gemm (µs/layer) | big tiles (µs/layer) | GEMV / k_gemm | "
+          "k_gemm / big |\n| --- | --- | --- | --- | --- | --- | --- |")
     n = len(be.layers)
+
+    def gemm_ms(key: str, R: int, suffix: str, rows_a_block: int) -> float:
+        ms, _ = timer.graph_ms(lambda: [ly[key + suffix][0].launch(ly[key + suffix][1], -(-R // rows_a_block))
+                                        for ly in be.layers])
+        return ms * 1e3 / n
+
     for R in rows:
         be.n_rows.value = R
         be.gemm_rows[0].value, be.gemm_rows[1].value = 0, R
         for key in ("qkv", "o", "gate_up", "down"):
             tiles = -(-R // TILE_ROWS)
             t_ms, _ = timer.graph_ms(lambda key=key: [be.launch_tiles(ly[key + "/tile"], tiles) for ly in be.layers])
-            g_ms, _ = timer.graph_ms(lambda key=key: [ly[key + "/gemm"][0].launch(ly[key + "/gemm"][1],
-                                                                                  -(-R // GEMM_ROWS))
-                                                      for ly in be.layers])
-            t, g = t_ms * 1e3 / n, g_ms * 1e3 / n
-            print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {t / g:.2f}× |", flush=True)
+            t = t_ms * 1e3 / n
+            g, big = gemm_ms(key, R, "/gemm", GEMM_ROWS), gemm_ms(key, R, "/gemm_big", GEMM_ROWS * GEMM_MAX_MT)
+            print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |", flush=True)

@@ -4,10 +4,10 @@ Ragged shapes (K and N not multiples of the 32-wide chunk and block, M not a mul
 block), each epilogue (store + bias, residual accumulate, SwiGLU), with and without the fused RMSNorm:
 the relative error must be at the level of x split into bf16 hi + lo (< 3e-5; x rounded to bf16 alone
 would give ~2e-3), every output of the rows asked for written and no other row touched, and a row's
-bits the same wherever it falls in its row block; each in k_gemm (4 warps a block) and k_gemm_wide (8:
-K split twice as finely; CudaBackend's gemm_warps picks one for every matrix, any other value
-refused). The simulator's mma twin rounds each output exactly, so the fragment layout (which lane
-holds which row and k) is what this checks; on a GPU the `gpu`-marked test runs the same cases and
+bits the same wherever it falls in its row block and in big tiles (k_gemm_big: 32 x 64) as in small;
+each in k_gemm (4 warps a block) and k_gemm_wide (8: K split twice as finely; CudaBackend's gemm_warps
+picks one for every matrix, any other value refused). The simulator's mma twin rounds each output
+exactly, so the fragment layout (which lane holds which row and k) is what this checks; on a GPU the `gpu`-marked test runs the same cases and
 SmolLM2's four matrices on the tensor cores (`python -m bench gemm` times them against the GEMV tiles).
 """
 from __future__ import annotations
@@ -58,7 +58,7 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
 
     from decoder_service.model.cuda import kernels as K
     from decoder_service.model.cuda.intrinsics import MMA
-    from decoder_service.model.cuda.matmul import GEMM_COLS, GEMM_ROWS
+    from decoder_service.model.cuda.matmul import GEMM_ROWS, GEMM_TILES, gemm_shared
     from decoder_service.model.weights import bf16_to_f32
     Kp = -(-K_ // 8) * 8
     rows = first + M + 2
@@ -76,16 +76,17 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     d_w, d_x, d_g, d_b = (cuda.to_device(a.reshape(-1)) for a in (W, x, gamma, bias))
     i32 = np.int32
 
-    def run(lo):
+    def run(lo, big=False):
         out = cuda.to_device(init.reshape(-1))
-        grid = (-(-N // GEMM_COLS), -(-(end - lo) // GEMM_ROWS))
-        K.KERNELS[K.GEMM_KERNELS[warps]][grid, warps * MMA](
+        _, mt, nt = GEMM_TILES[K.GEMM_KERNELS[warps, big]]
+        grid = (-(-N // (8 * nt)), -(-(end - lo) // (GEMM_ROWS * mt)))
+        K.KERNELS[K.GEMM_KERNELS[warps, big]][grid, warps * MMA, 0, gemm_shared(warps, mt, nt)](
             d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp), i32(K_), i32(N), d_b, i32(use_bias),
             out, i32(width), i32(mode), i32(lo), i32(end))
         return out.copy_to_host().reshape(rows, width)
 
     shift = min(5, M - 1)                # rows from first + shift land elsewhere in their row block
-    got, shifted = run(first), run(first + shift)
+    got, shifted, big = run(first), run(first + shift), run(first + shift, big=True)
     ref = reference(x[first:end], bf16_to_f32(W), gamma, bias, base[first:end], K_, mode, use_norm, use_bias)
     out = got[first:end].astype(np.float64)
     untouched = np.array_equal(got[:first], init[:first], equal_nan=True) and \
@@ -93,13 +94,14 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     return dict(K=K_, N=N, M=M, mode=mode, norm=use_norm, bias=use_bias, warps=warps,
                 rel=float(np.linalg.norm(out - ref) / np.linalg.norm(ref)) if np.isfinite(out).all() else math.inf,
                 written=bool(np.isfinite(out).all()), untouched=bool(untouched),
-                row_bits_own=bool(np.array_equal(got[first + shift:end], shifted[first + shift:end])))
+                row_bits_own=bool(np.array_equal(got[first + shift:end], shifted[first + shift:end])),
+                big_tiles_same=bool(np.array_equal(big, shifted, equal_nan=True)))
 
 
 def correctness(rng, shapes) -> list[dict]:
     """Every shape at each warps a block of k_gemm and k_gemm_wide (CudaBackend's gemm_warps)."""
-    from decoder_service.model.cuda import kernels as K
-    return [check_gemm(rng, *s, warps) for s in shapes for warps in K.GEMM_KERNELS]
+    from decoder_service.model.cuda.matmul import GEMM_MAX_WARPS, GEMM_WARPS
+    return [check_gemm(rng, *s, warps) for s in shapes for warps in (GEMM_WARPS, GEMM_MAX_WARPS)]
 
 
 def test_gemm_matches_float64_under_the_simulator():
@@ -123,6 +125,7 @@ def _assert(result: dict) -> None:
     for r in result["cases"]:
         assert r["written"] and r["untouched"], r
         assert r["row_bits_own"], r
+        assert r["big_tiles_same"], r
         assert r["rel"] < result["tolerance"], r
 
 

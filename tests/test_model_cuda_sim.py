@@ -17,7 +17,9 @@ attention row tiles), and after a prefix's tail copied into another block (copy_
 KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for
 the bf16 models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time
 (k_attn_rows); tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In
-the bf16 models prompt rows run their matrices in k_gemm, decode rows in the GEMVs.
+the bf16 models prompt rows run their matrices in k_gemm, decode rows in the GEMVs; steps of 8 prompt rows or
+more take its big tiles, so the two-chunk prompt above also checks that big and small tiles give a row the
+same bits.
 """
 from __future__ import annotations
 
@@ -126,7 +128,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     w = load_weights(d, cfg, dtype=dtype, progress=False)
     spec = KVPoolSpec(num_blocks=24, block_size=4)
     be = CudaBackend(cfg, w, spec, max_rows=24, max_logit_rows=4, max_candidates=8,
-                     attn_split=8 if SIM else None, attn_tile_from=4, max_graphs=1)
+                     attn_split=8 if SIM else None, attn_tile_from=4, gemm_big_from=8, max_graphs=1)
     ref = ReferenceModel(cfg, w, spec)
     rng = np.random.default_rng(7)
     bt = np.full((3, 7), -1, np.int32)   # staged at a table stride of 8 (padded)

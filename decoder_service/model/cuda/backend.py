@@ -20,7 +20,7 @@ from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP
                         attn_shared_floats)
 from .intrinsics import MMA, SIM, TQ, WARP
 from .kernels import GEMM_KERNELS, MMA_ATTN_KERNELS
-from .matmul import GEMM_COLS, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_WARPS, TILE_ROWS
+from .matmul import GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, TILE_ROWS, gemm_shared
 from .device_trie import DeviceTrie
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
@@ -32,6 +32,7 @@ from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 3), np.int32)
+GEMM_BIG_FROM = 128  # a step's prompt rows from which k_gemm takes big tiles (P85)
 PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (P63)
 
 
@@ -104,6 +105,7 @@ class RowPlan(NamedTuple):
     gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
     tiles: int     # GEMV row tiles (the one-row kernel counts as one; 0: no GEMV rows)
     blocks: int    # k_gemm row blocks (prompt rows on the tensor cores; 0: none)
+    gemm: str      # layer key suffix of those blocks' k_gemm launches: small or big tiles
     rope: bool     # k_rope_kv runs (else RoPE and the KV write ran in the one-row QKV GEMV)
 
 
@@ -134,7 +136,8 @@ class CudaBackend:
                  max_rows: int = 1024, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
                  attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 0,
-                 gemm_warps: int | None = None, graph_rows: int = 16, max_graphs: int = 64):
+                 gemm_warps: int | None = None, gemm_big_from: int = GEMM_BIG_FROM, graph_rows: int = 16,
+                 max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
         if cfg.head_dim % 8:
@@ -154,6 +157,7 @@ class CudaBackend:
         self.graph_rows, self.max_graphs = int(graph_rows), int(max_graphs)
         self._graphs: dict[tuple, Graph] = {}
         self._choose_kernels(attn_split, attn_splits, attn_tile_from, gemm_warps)
+        self.gemm_big_from = int(gemm_big_from)   # prompt rows from which k_gemm takes its big tiles (P85)
         self._check_memory(weights)
         self.stream = Stream()
         self._upload_weights(weights)
@@ -208,9 +212,9 @@ class CudaBackend:
         # Prompt rows of a bf16 model run the tensor-core GEMM (k_gemm: bf16 hi + lo activations, float32
         # sums; P33); decode rows, and every row of other storage dtypes, the GEMVs.
         self.gemm = self.storage == "bfloat16"
-        if gemm_warps is not None and gemm_warps not in GEMM_KERNELS:
-            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be "
-                             + " or ".join(f"{w} ({name})" for w, name in GEMM_KERNELS.items()))
+        if gemm_warps is not None and gemm_warps not in (GEMM_WARPS, GEMM_MAX_WARPS):
+            raise ModelError(f"cuda backend: gemm_warps={gemm_warps} must be {GEMM_WARPS} (k_gemm) or "
+                             f"{GEMM_MAX_WARPS} (k_gemm_wide)")
         self.gemm_warps = gemm_warps             # k_gemm's split of K for every matrix (None: _gemm_warps' rule)
 
     def _upload_weights(self, weights: Weights) -> None:
@@ -305,7 +309,8 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", self.tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
-            names += sorted({GEMM_KERNELS[self._gemm_warps(kp)] for kp in (self.kp_h, self.kp_q, self.kp_i)})
+            names += sorted({GEMM_KERNELS[self._gemm_warps(kp), big] for kp in (self.kp_h, self.kp_q, self.kp_i)
+                             for big in (False, True)})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
@@ -407,7 +412,8 @@ class CudaBackend:
     def _matrix(self, key: str, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
                 bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None) -> dict:
         """A layer's launches of one matrix: `key` (one row), `key/tile` (row tiles) and, for a bf16
-        model, `key/gemm` (k_gemm over the prompt rows: launch, blocks along x)."""
+        model, `key/gemm` and `key/gemm_big` (k_gemm over the prompt rows, small and big tiles: launch, blocks
+        along x)."""
         one, tile = self._gemv_pair(name, x, x_stride, gamma, use_norm, W, K, kp, N, bias, use_bias, out,
                                     out_stride, mode, rope)
         launches = {key: one, key + "/tile": tile}
@@ -417,9 +423,11 @@ class CudaBackend:
                         W=W, Kp=kp, K=K, N=N, bias=bias, use_bias=use_bias, out=out, out_stride=out_stride,
                         mode=mode, first=first, end=end)
             warps = self._gemm_warps(kp)
-            kernel = self.kernels[GEMM_KERNELS[warps]]
-            launches[key + "/gemm"] = (Launch(kernel, warps * MMA, 0, args, self.stream.handle, name + "/gemm"),
-                                       -(-N // GEMM_COLS))
+            for big, suffix in ((False, "/gemm"), (True, "/gemm_big")):
+                kernel = GEMM_KERNELS[warps, big]
+                _, mt, nt = GEMM_TILES[kernel]
+                launches[key + suffix] = (Launch(self.kernels[kernel], warps * MMA, gemm_shared(warps, mt, nt), args,
+                                                 self.stream.handle, name + suffix), -(-N // (8 * nt)))
         return launches
 
     def _build_launches(self) -> None:
@@ -565,17 +573,19 @@ class CudaBackend:
         batch's."""
         D = min(self._n_decode, R) if self.gemm else R
         if D == 1 == R:
-            return RowPlan(self._ONE_ROW, 1, 0, not self.fused_rope)
+            return RowPlan(self._ONE_ROW, 1, 0, "/gemm", not self.fused_rope)
         self.n_rows.value = D
         self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
-        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), -(-(R - D) // GEMM_ROWS), True)
+        big = R - D >= self.gemm_big_from
+        rows = GEMM_ROWS * GEMM_TILES[GEMM_KERNELS[GEMM_WARPS, big]][1]
+        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), -(-(R - D) // rows), "/gemm_big" if big else "/gemm", True)
 
     def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
         """One matrix of a layer for a step's rows: GEMV tiles (or the one-row GEMV), then k_gemm."""
         if plan.tiles:
             self.launch_tiles(layer[plan.gemv[key]], plan.tiles)
         if plan.blocks:
-            lz, gx = layer[key + "/gemm"]
+            lz, gx = layer[key + plan.gemm]
             lz.launch(gx, plan.blocks)
 
     def attn_grids(self, max_ctx: int, row_splits: int = ROW_SPLITS) -> tuple[tuple, tuple]:

@@ -9,7 +9,8 @@ from .matmul import GEMM_MAX_WARPS, GEMM_WARPS
 
 FAMILIES = (head, norm_rope, matmul, attention)
 KERNELS = {name: getattr(family, name) for family in FAMILIES for name in family.SIGNATURES}
-GEMM_KERNELS = {GEMM_WARPS: "k_gemm", GEMM_MAX_WARPS: "k_gemm_wide"}   # the prompt GEMM by its warps a block
+GEMM_KERNELS = {(GEMM_WARPS, False): "k_gemm", (GEMM_MAX_WARPS, False): "k_gemm_wide",   # the prompt GEMM by its
+                (GEMM_WARPS, True): "k_gemm_big", (GEMM_MAX_WARPS, True): "k_gemm_wide_big"}   # warps, big tiles
 MMA_ATTN_KERNELS = dict(zip(MMA_HDS, ("k_attn_mma", "k_attn_mma_wide")))   # prompt attention by head_dim bound
 
 

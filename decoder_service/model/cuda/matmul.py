@@ -18,16 +18,15 @@ from .intrinsics import (
 TILE_ROWS = 4                 # k_gemv_tile: input rows per block (8 was slower: P24)
 TILE_ACC = 4 * TILE_ROWS      # k_gemv_tile: a lane's partial sums (2 weight rows x even/odd x rows)
 TILE_RED = 32 * TILE_ROWS     # k_gemv_tile: the rows' per-warp norm partials (up to 32 warps)
-# Prompt rows of bf16 models (k_gemm, k_gemm_wide): mma.sync m16n8k16 on the tensor cores, a block of warps
-# per (GEMM_ROWS rows x GEMM_COLS columns), each warp every (warps)-th 32-wide K chunk.
-GEMM_ROWS = 16                # k_gemm: input rows per block (the mma's M)
-GEMM_NT = 4                   # k_gemm: n8 tiles per block (its first GEMM_NT warps finish one each)
-GEMM_COLS = 8 * GEMM_NT       # k_gemm: output columns per block
-GEMM_WARPS = 4                # k_gemm: warps per block (split K; at least GEMM_NT)
+# Prompt rows of bf16 models (k_gemm and its variants, GEMM_TILES): mma.sync m16n8k16 on the tensor cores, a
+# block of warps per (mt m16 tiles x nt n8 tiles), each warp every (warps)-th 32-wide K chunk.
+GEMM_ROWS = 16                # k_gemm: rows of an m-tile (the mma's M)
+GEMM_WARPS = 4                # k_gemm: warps per block (split K)
 GEMM_MAX_WARPS = 8            # k_gemm_wide: warps per block (the shared arrays are sized for it)
-GEMM_ACC = 4 * GEMM_NT        # k_gemm: a lane's accumulators (4 per n8 tile)
-GEMM_PART = GEMM_MAX_WARPS * GEMM_NT * 4 * MMA   # k_gemm: the warps' partial tiles in shared memory
-GEMM_SSQ = GEMM_MAX_WARPS * GEMM_ROWS            # k_gemm: the warps' partial sums of squares per row
+GEMM_MAX_MT, GEMM_MAX_NT = 2, 8              # k_gemm_big: m16 tiles and n8 tiles a block
+GEMM_ACC = 4 * GEMM_MAX_MT * GEMM_MAX_NT     # a lane's accumulators (4 per m16 x n8 tile)
+GEMM_CX = 8 + 16 * GEMM_MAX_MT               # a lane's chunk of gamma and x rows
+GEMM_CW = 4 * GEMM_MAX_NT                    # a lane's chunk of weight words
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; P30)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
@@ -40,7 +39,9 @@ def _gemv(t):
 
 
 def _gemm(t):
-    """k_gemm's and k_gemm_wide's parameters (bf16 models only)."""
+    """The parameters of every k_gemm variant (bf16 models only: None otherwise)."""
+    if not t.bf16:
+        return None
     return (t.f32, t.i32, t.f32, t.f, t.i32, t.W, t.i32, t.i32, t.i32, t.f32, t.i32, t.f32, t.i32, t.i32, t.i32,
             t.i32)
 
@@ -432,127 +433,151 @@ def mma_chunk(h0, h1, h2, h3, h4, h5, h6, h7, l0, l1, l2, l3, l4, l5, l6, l7, w0
 
 
 @cuda.jit(device=True, inline="always")
-def gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c):
-    """k_gemm's operands of the 32-wide K chunk at c for lane (g, t): x rows (offsets xa, xb) and gamma
-    at k = c + 8t .. + 7 into cx[0:8], cx[8:16], cx[16:24]; the four n8 tiles' weight row g there into
-    cw (4 words each). Past K (or past Kp: no chunk) the values are zeros, the loads still valid."""
+def gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt):
+    """k_gemm's operands of the 32-wide K chunk at c for lane (g, t): gamma at k = c + 8t .. + 7 into cx[0:8],
+    then each m-tile's x rows g, g+8 (offsets xr[2i], xr[2i+1]) there into cx[8+16i : 24+16i]; the nt n8 tiles'
+    weight row g there into cw (4 words each). Past K (or past Kp: no chunk) the values are zeros, the loads
+    still valid."""
     k = c + 8 * t
     ok = k < Kp
     kk = k if ok else 0
-    v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xa + kk)
-    y0, y1, y2, y3, y4, y5, y6, y7 = ld8(x, xb + kk)
     z = np.float32(0.0)
-    if not ok:
-        v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = z
-        y0 = y1 = y2 = y3 = y4 = y5 = y6 = y7 = z
-    cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7] = v0, v1, v2, v3, v4, v5, v6, v7
-    cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15] = y0, y1, y2, y3, y4, y5, y6, y7
     if use_norm != 0:
-        cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23] = ld8(gamma, kk)
-    for j in range(GEMM_NT):
+        cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7] = ld8(gamma, kk)
+    for i in range(mt):
+        v0, v1, v2, v3, v4, v5, v6, v7 = ld8(x, xr[2 * i] + kk)
+        y0, y1, y2, y3, y4, y5, y6, y7 = ld8(x, xr[2 * i + 1] + kk)
+        if not ok:
+            v0 = v1 = v2 = v3 = v4 = v5 = v6 = v7 = z
+            y0 = y1 = y2 = y3 = y4 = y5 = y6 = y7 = z
+        o = 8 + 16 * i
+        cx[o], cx[o + 1], cx[o + 2], cx[o + 3], cx[o + 4], cx[o + 5], cx[o + 6], cx[o + 7] = \
+            v0, v1, v2, v3, v4, v5, v6, v7
+        cx[o + 8], cx[o + 9], cx[o + 10], cx[o + 11], cx[o + 12], cx[o + 13], cx[o + 14], cx[o + 15] = \
+            y0, y1, y2, y3, y4, y5, y6, y7
+    for j in range(nt):
         w0, w1, w2, w3 = ld_words(W, np.int64(min(n0 + 8 * j + g, N - 1)) * Kp + kk)
         cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3] = w0, w1, w2, w3
 
 
 @cuda.jit(device=True, inline="always")
-def gemm_chunk(cx, cw, acc, sa, sb, use_norm):
-    """k_gemm's work on one 32-wide K chunk whose operands gemm_load put in cx, cw: the rows' sums of
-    squares (sa, sb) under a norm, x times gamma as bf16 hi + lo, and the n8 tiles' mma pairs into acc.
-    Returns the new (sa, sb)."""
-    a0, a1, a2, a3, a4, a5, a6, a7 = cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7]
-    b0, b1, b2, b3, b4, b5, b6, b7 = cx[8], cx[9], cx[10], cx[11], cx[12], cx[13], cx[14], cx[15]
-    if use_norm != 0:
-        sa = sq8(sa, a0, a1, a2, a3, a4, a5, a6, a7)
-        sb = sq8(sb, b0, b1, b2, b3, b4, b5, b6, b7)
-        g0, g1, g2, g3, g4, g5, g6, g7 = cx[16], cx[17], cx[18], cx[19], cx[20], cx[21], cx[22], cx[23]
-        a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
-        b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
-    ha0, la0 = split_bf16(a0, a1)
-    ha1, la1 = split_bf16(a2, a3)
-    ha2, la2 = split_bf16(a4, a5)
-    ha3, la3 = split_bf16(a6, a7)
-    hb0, lb0 = split_bf16(b0, b1)
-    hb1, lb1 = split_bf16(b2, b3)
-    hb2, lb2 = split_bf16(b4, b5)
-    hb3, lb3 = split_bf16(b6, b7)
-    for j in range(GEMM_NT):
-        acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3] = mma_chunk(
-            ha0, hb0, ha1, hb1, ha2, hb2, ha3, hb3, la0, lb0, la1, lb1, la2, lb2, la3, lb3,
-            cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3], acc[4 * j], acc[4 * j + 1], acc[4 * j + 2],
-            acc[4 * j + 3])
-    return sa, sb
+def gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt):
+    """k_gemm's work on one 32-wide K chunk whose operands gemm_load put in cx, cw: per m-tile i, its rows'
+    sums of squares (ss[2i], ss[2i+1]) under a norm, x times gamma as bf16 hi + lo, and the n8 tiles' mma
+    pairs into acc[(i * nt + j) * 4 ..]."""
+    for i in range(mt):
+        o = 8 + 16 * i
+        a0, a1, a2, a3, a4, a5, a6, a7 = cx[o], cx[o + 1], cx[o + 2], cx[o + 3], cx[o + 4], cx[o + 5], cx[o + 6], \
+            cx[o + 7]
+        b0, b1, b2, b3, b4, b5, b6, b7 = cx[o + 8], cx[o + 9], cx[o + 10], cx[o + 11], cx[o + 12], cx[o + 13], \
+            cx[o + 14], cx[o + 15]
+        if use_norm != 0:
+            ss[2 * i] = sq8(ss[2 * i], a0, a1, a2, a3, a4, a5, a6, a7)
+            ss[2 * i + 1] = sq8(ss[2 * i + 1], b0, b1, b2, b3, b4, b5, b6, b7)
+            g0, g1, g2, g3, g4, g5, g6, g7 = cx[0], cx[1], cx[2], cx[3], cx[4], cx[5], cx[6], cx[7]
+            a0, a1, a2, a3, a4, a5, a6, a7 = a0 * g0, a1 * g1, a2 * g2, a3 * g3, a4 * g4, a5 * g5, a6 * g6, a7 * g7
+            b0, b1, b2, b3, b4, b5, b6, b7 = b0 * g0, b1 * g1, b2 * g2, b3 * g3, b4 * g4, b5 * g5, b6 * g6, b7 * g7
+        ha0, la0 = split_bf16(a0, a1)
+        ha1, la1 = split_bf16(a2, a3)
+        ha2, la2 = split_bf16(a4, a5)
+        ha3, la3 = split_bf16(a6, a7)
+        hb0, lb0 = split_bf16(b0, b1)
+        hb1, lb1 = split_bf16(b2, b3)
+        hb2, lb2 = split_bf16(b4, b5)
+        hb3, lb3 = split_bf16(b6, b7)
+        for j in range(nt):
+            e = 4 * (i * nt + j)
+            acc[e], acc[e + 1], acc[e + 2], acc[e + 3] = mma_chunk(
+                ha0, hb0, ha1, hb1, ha2, hb2, ha3, hb3, la0, lb0, la1, lb1, la2, lb2, la3, lb3,
+                cw[4 * j], cw[4 * j + 1], cw[4 * j + 2], cw[4 * j + 3], acc[e], acc[e + 1], acc[e + 2], acc[e + 3])
 
 
 @cuda.jit(device=True, inline="always")
 def gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               warps):
-    """k_gemm's block with `warps` warps, a constant of the kernel that calls it (so the loops over the
-    warps unroll as they would over a literal)."""
+               warps, mt, nt):
+    """k_gemm's block: `warps` warps, mt m16 tiles x nt n8 tiles, constants of the kernel that calls it (so the
+    loops over them unroll as they would over literals). Every output element takes the same path whatever
+    mt and nt are (its row's warp-w chunks chained in order, the warps' partials summed in warp order), so the
+    tile shape is free to change with the batch: only `warps` fixes a row's bits."""
     pdl_enter()
-    part = cuda.shared.array(GEMM_PART, nb_f32)
-    ssq = cuda.shared.array(GEMM_SSQ, nb_f32)
+    sh = cuda.shared.array(0, nb_f32)   # the warps' partial tiles, then their partial sums of squares per row
+    tiles = mt * nt
+    ssq0 = warps * tiles * 4 * MMA
     acc = cuda.local.array(GEMM_ACC, nb_f32)
+    ss = cuda.local.array(2 * GEMM_MAX_MT, nb_f32)
+    xr = cuda.local.array(2 * GEMM_MAX_MT, nb_i64)
     tid = cuda.threadIdx.x
     w = tid // MMA
     lane = tid % MMA
     g = lane // 4
     t = lane % 4
-    m0 = first + cuda.blockIdx.y * GEMM_ROWS
-    n0 = cuda.blockIdx.x * GEMM_COLS
-    xa = np.int64(min(m0 + g, end - 1)) * x_stride
-    xb = np.int64(min(m0 + g + 8, end - 1)) * x_stride
-    for i in range(GEMM_ACC):
+    m0 = first + cuda.blockIdx.y * (GEMM_ROWS * mt)
+    n0 = cuda.blockIdx.x * (8 * nt)
+    for i in range(mt):
+        xr[2 * i] = np.int64(min(m0 + 16 * i + g, end - 1)) * x_stride
+        xr[2 * i + 1] = np.int64(min(m0 + 16 * i + g + 8, end - 1)) * x_stride
+        ss[2 * i] = np.float32(0.0)
+        ss[2 * i + 1] = np.float32(0.0)
+    for i in range(4 * tiles):
         acc[i] = np.float32(0.0)
-    sa = np.float32(0.0)
-    sb = np.float32(0.0)
-    # chunk c's operands in registers (cx: x rows g, g+8 then gamma; cw: the n8 tiles' weight words),
+    # chunk c's operands in registers (cx: gamma then the m-tiles' x rows; cw: the n8 tiles' weight words),
     # the next chunk's loads issued before this chunk's mmas; the two register sets take turns
-    cx = cuda.local.array(24, nb_f32)
-    cw = cuda.local.array(GEMM_ACC, nb_u32)
-    nx = cuda.local.array(24, nb_f32)
-    nw = cuda.local.array(GEMM_ACC, nb_u32)
+    cx = cuda.local.array(GEMM_CX, nb_f32)
+    cw = cuda.local.array(GEMM_CW, nb_u32)
+    nx = cuda.local.array(GEMM_CX, nb_f32)
+    nw = cuda.local.array(GEMM_CW, nb_u32)
     step = warps * 32
     c = w * 32
-    gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c)
+    gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt)
     while c < Kp:
-        gemm_load(nx, nw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + step)
-        sa, sb = gemm_chunk(cx, cw, acc, sa, sb, use_norm)
+        gemm_load(nx, nw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
+        gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt)
         c += step
         if c >= Kp:
             break
-        gemm_load(cx, cw, x, xa, xb, gamma, use_norm, W, Kp, N, n0, g, t, c + step)
-        sa, sb = gemm_chunk(nx, nw, acc, sa, sb, use_norm)
+        gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
+        gemm_chunk(nx, nw, acc, ss, use_norm, mt, nt)
         c += step
-    for j in range(GEMM_NT):
+    for q in range(tiles):
         for e in range(4):
-            part[((w * GEMM_NT + j) * 4 + e) * MMA + lane] = acc[4 * j + e]
+            sh[((w * tiles + q) * 4 + e) * MMA + lane] = acc[4 * q + e]
     if use_norm != 0:
-        sa = quad_sum(sa)
-        sb = quad_sum(sb)
-        if t == 0:
-            ssq[w * GEMM_ROWS + g] = sa
-            ssq[w * GEMM_ROWS + g + 8] = sb
+        for i in range(mt):
+            sa = quad_sum(ss[2 * i])
+            sb = quad_sum(ss[2 * i + 1])
+            if t == 0:
+                sh[ssq0 + w * GEMM_ROWS * mt + 16 * i + g] = sa
+                sh[ssq0 + w * GEMM_ROWS * mt + 16 * i + g + 8] = sb
     cuda.syncthreads()
-    # epilogue: thread (w, lane) of the first GEMM_NT warps finishes fragment `lane` of n8 tile w
-    col = n0 + 8 * w + 2 * t
-    if w >= GEMM_NT or col >= N:
-        return
-    for h in range(2):
-        row = m0 + g + 8 * h
-        if row < end:
-            v0 = part[(w * 4 + 2 * h) * MMA + lane]
-            v1 = part[(w * 4 + 2 * h + 1) * MMA + lane]
-            for u in range(1, warps):
-                v0 += part[((u * GEMM_NT + w) * 4 + 2 * h) * MMA + lane]
-                v1 += part[((u * GEMM_NT + w) * 4 + 2 * h + 1) * MMA + lane]
-            if use_norm != 0:
-                s = ssq[g + 8 * h]
-                for u in range(1, warps):
-                    s += ssq[u * GEMM_ROWS + g + 8 * h]
-                inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
-                v0 *= inv
-                v1 *= inv
-            gemv_store(out, np.int64(row) * out_stride, col // 2, col, col + 1, N, v0, v1, bias, use_bias, mode)
+    # epilogue: thread (w, lane) finishes fragment `lane` of tiles w, w + warps, ... (tile q: m-tile q // nt,
+    # n8 tile q % nt)
+    for q in range(w, tiles, warps):
+        i = q // nt
+        col = n0 + 8 * (q % nt) + 2 * t
+        if col < N:
+            for h in range(2):
+                r = 16 * i + g + 8 * h
+                row = m0 + r
+                if row < end:
+                    v0 = sh[(q * 4 + 2 * h) * MMA + lane]
+                    v1 = sh[(q * 4 + 2 * h + 1) * MMA + lane]
+                    for u in range(1, warps):
+                        v0 += sh[((u * tiles + q) * 4 + 2 * h) * MMA + lane]
+                        v1 += sh[((u * tiles + q) * 4 + 2 * h + 1) * MMA + lane]
+                    if use_norm != 0:
+                        s = sh[ssq0 + r]
+                        for u in range(1, warps):
+                            s += sh[ssq0 + u * GEMM_ROWS * mt + r]
+                        inv = np.float32(1.0) / math.sqrt(s / np.float32(K) + eps)
+                        v0 *= inv
+                        v1 *= inv
+                    gemv_store(out, np.int64(row) * out_stride, col // 2, col, col + 1, N, v0, v1, bias, use_bias,
+                               mode)
+
+
+def gemm_shared(warps: int, mt: int, nt: int) -> int:
+    """Dynamic shared bytes of a k_gemm block: the warps' partial tiles and partial sums of squares."""
+    return 4 * warps * (mt * nt * 4 * MMA + GEMM_ROWS * mt)
 
 
 @cuda.jit(cache=True)
@@ -560,7 +585,7 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
     f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
 
-    Block (x: GEMM_COLS output columns, y: GEMM_ROWS rows); its GEMM_WARPS warps each take every
+    Block (x: 8 nt output columns, y: 16 mt rows; here mt, nt = 1, 4); its GEMM_WARPS warps each take every
     GEMM_WARPS-th 32-wide K chunk (k_gemm_wide: GEMM_MAX_WARPS; which one a matrix runs is a choice of
     the model, never of the batch). In a chunk, lane (g, t) = (lane // 4, lane % 4) holds rows g and g+8
     at k .. k+7 (k = chunk + 8t) and the same eight k of weight row g of each n8 tile: the mma's k
@@ -568,13 +593,12 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     full dot product, with one 16-byte load per operand row. x (times gamma under a norm) enters as bf16
     hi + lo (two mmas, ~16 significant bits); weights are exact. The norm's 1/rms scales the finished
     sum. The warps' partials are summed in warp order. What an output element computes depends on its
-    row's x and its weight row only, never on the other rows of the tile, M, or where its row falls:
-    a row's bits are its own (checked by tests/test_gemm.py, under the simulator and on the device).
-    Block: GEMM_WARPS * MMA threads. Padding columns of x and gamma (to Kp) must be zero."""
+    row's x and its weight row only, never on the other rows of the tile, M, the tile's shape or where its
+    row falls: a row's bits are its own (checked by tests/test_gemm.py, under the simulator and on the
+    device). Block: GEMM_WARPS * MMA threads, gemm_shared bytes. Padding columns of x and gamma (to Kp)
+    must be zero."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_WARPS)
-
-SIGNATURES["k_gemm"] = lambda t: _gemm(t) if t.bf16 else None
+               GEMM_WARPS, 1, 4)
 
 
 @cuda.jit(cache=True)
@@ -583,7 +607,26 @@ def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, 
     """k_gemm with GEMM_MAX_WARPS warps a block: each takes every GEMM_MAX_WARPS-th chunk, half as many
     in a row, for matrices whose K is long (P68). Block: GEMM_MAX_WARPS * MMA threads."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_MAX_WARPS)
+               GEMM_MAX_WARPS, 1, 4)
 
-SIGNATURES["k_gemm_wide"] = lambda t: _gemm(t) if t.bf16 else None
+
+@cuda.jit(cache=True)
+def k_gemm_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
+    """k_gemm on 32 x 64 tiles (mt, nt = 2, 8): each weight and x load feeds twice the mmas, for long prompts
+    (the same bits as k_gemm)."""
+    gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               GEMM_WARPS, 2, 8)
+
+
+@cuda.jit(cache=True)
+def k_gemm_wide_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode,
+                    first, end):
+    """k_gemm_wide on k_gemm_big's tiles (the same bits as k_gemm_wide)."""
+    gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               GEMM_MAX_WARPS, 2, 8)
+
+
+GEMM_TILES = {"k_gemm": (GEMM_WARPS, 1, 4), "k_gemm_wide": (GEMM_MAX_WARPS, 1, 4),
+              "k_gemm_big": (GEMM_WARPS, 2, 8), "k_gemm_wide_big": (GEMM_MAX_WARPS, 2, 8)}   # (warps, mt, nt)
+SIGNATURES.update(dict.fromkeys(GEMM_TILES, _gemm))
 
