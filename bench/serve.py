@@ -155,7 +155,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
             out["determinism"] = determinism(driver, rt, queries, solo, det_seconds)
             log(f"  determinism: {out['determinism']}")
         engine.release_catalog(rt)
-        prompt = (rt.prefix_ids, [(rt.request_ids(tok, engine.retrieve(rt, q.intent, q.k).ids, q.intent, q.k), q.k)
+        prompt = (rt.prefix_ids, [(rt.request_ids(engine.retrieve(rt, q.intent, q.k).ids, q.intent, q.k), q.k)
                                   for q in queries])
         return out, [r["names"] for r in solo], prompt
     finally:

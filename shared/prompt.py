@@ -39,13 +39,13 @@ class PromptTemplate:
     def from_json(cls, text: str) -> "PromptTemplate":
         return cls(**json.loads(text))
 
-    def line_ids(self, tokenizer, name: str, description: str) -> list[int]:
-        """One tool's line of the shortlist, as tokens (request_ids joins them)."""
-        return tokenizer.encode(tool_line(name, description, self.description_chars))
+    def line(self, name: str, description: str) -> str:
+        """One tool's line of the shortlist (request_ids joins their tokens)."""
+        return tool_line(name, description, self.description_chars)
 
     def request_ids(self, tokenizer, lines: list[list[int]], intent: str, k: int) -> list[int]:
-        """The request's own tokens after the prefix: the suffix with {k} filled, the shortlist's lines (line_ids)
-        joined by newlines at {tools}, and the intent at {intent}, tokenized as user text (`encode_plain`: a
+        """The request's own tokens after the prefix: the suffix with {k} filled, the shortlist's lines (`line`,
+        tokenized) joined by newlines at {tools}, and the intent at {intent}, tokenized as user text (`encode_plain`: a
         "<|im_end|>" typed by a user cannot end the turn). Each part is tokenized alone, so a description cannot
         reach the template's placeholders and a version tokenizes each tool's line once; a byte-level BPE
         splits the whole text at those seams anyway (tests/test_prompt.py: the same tokens)."""

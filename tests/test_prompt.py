@@ -1,6 +1,6 @@
 """The shortlist prompt's tokens: joined from each tool's line tokenized alone, they are the whole text's.
 
-The decoder tokenizes a tool's line once per catalog version and joins lines per request (and `tune` builds its
+The decoder tokenizes every tool's line once, when a catalog version is loaded, and joins lines per request (and `tune` builds its
 prompts the same way), so the joined tokens must be what tokenizing the whole prompt text gives, or a tuned
 model would be served other tokens than the text it was trained on. Checked with the real SmolLM2 tokenizer
 (where `make model` has run) and the suite's small byte-level BPE, on random shortlists of every shared
@@ -45,7 +45,7 @@ def test_joined_lines_are_the_whole_texts_tokens(tok, name):
         picked = rng.sample(tools, 20)
         names, descriptions = [t.name for t in picked], [t.description for t in picked]
         k = rng.randint(1, 3)
-        lines = [template.line_ids(tok, n, d) for n, d in zip(names, descriptions)]
+        lines = [tok.encode(template.line(n, d)) for n, d in zip(names, descriptions)]
         assert template.request_ids(tok, lines, intent, k) == \
             whole_text_ids(template, tok, names, descriptions, intent, k), intent
 
@@ -56,26 +56,26 @@ def test_a_description_that_spells_a_placeholder_stays_text(small_tokenizer_dir)
     tok = ModelTokenizer(small_tokenizer_dir)
     template = default_template(*tok.chat_format())
     tricky = [("Echo", "repeats {intent} back, {k} times"), ("Weather", "the forecast")]
-    lines = [template.line_ids(tok, n, d) for n, d in tricky]
+    lines = [tok.encode(template.line(n, d)) for n, d in tricky]
     text = tok.decode(template.request_ids(tok, lines, "will it rain?", 2))
     assert "- Echo: repeats {intent} back, {k} times\n- Weather: the forecast" in text
     assert text.count("will it rain?") == 1 and text.index("will it rain?") > text.index("the forecast")
     assert "exactly 2 tool name(s)" in text
 
 
-def test_a_version_tokenizes_each_listed_line_once(small_tokenizer_dir):
-    """CatalogRuntime.request_ids is the template's, with only the listed tools' lines tokenized (and kept)."""
+def test_a_version_tokenizes_its_lines_at_load(small_tokenizer_dir):
+    """CatalogRuntime.request_ids is the whole text's tokens, from every tool's line tokenized when the version
+    is loaded (P84: a version's first request costs what any other does)."""
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.retrieval import Retriever, bm25_index
     tok = ModelTokenizer(small_tokenizer_dir)
     trie = compile_catalog(parse_registry(catalog_path("metatool").read_text()), tok)
     rt = CatalogRuntime.from_trie(trie, Retriever(bm25_index(trie), len(trie.pointer_names)), tok, 16)
-    assert all(line is None for line in rt.lines)
-    tools = [7, 3, 150]
-    got = rt.request_ids(tok, tools, "book a table for two", 2)
-    names = [trie.pointer_names[i] for i in tools]
-    assert got == whole_text_ids(rt.template, tok, names, [rt.descriptions[i] for i in tools],
-                                 "book a table for two", 2)
-    assert [i for i, line in enumerate(rt.lines) if line is not None] == sorted(tools)
-    assert rt.request_ids(tok, tools, "book a table for two", 2) == got
+    assert "lines" in vars(rt)          # built by from_trie, before any request
+    flat, offsets = rt.lines
+    assert len(offsets) == len(trie.pointer_names) + 1 and offsets[-1] == len(flat)
+    for tools in ([7, 3, 150], [0], list(range(len(trie.pointer_names)))[::-10]):
+        names = [trie.pointer_names[i] for i in tools]
+        assert rt.request_ids(tools, "book a table for two", 2) == whole_text_ids(
+            rt.template, tok, names, [rt.descriptions[i] for i in tools], "book a table for two", 2)

@@ -78,7 +78,7 @@ class Encoder:
     def prompt(self, item: Item, order: list[int]) -> list[int]:
         """The request's prompt with the shortlist listed in `order` (tool indices)."""
         c = item.catalog
-        lines = [self.template.line_ids(self.tok, c.names[i], c.descriptions[i]) for i in order]
+        lines = [self.tok.encode(self.template.line(c.names[i], c.descriptions[i])) for i in order]
         return self.prefix_ids + self.template.request_ids(self.tok, lines, item.query, len(item.gold))
 
     def answer(self, item: Item) -> list[int]:

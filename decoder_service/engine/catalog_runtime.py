@@ -16,6 +16,7 @@ import numpy as np
 
 from decoder_service.retrieval import Retriever
 from shared.prompt import PromptTemplate
+from shared.tokenizer import ModelTokenizer
 from shared.trie import SEP, STOP, Trie, control_edge_legal
 
 
@@ -24,6 +25,7 @@ class CatalogRuntime:
     trie: Trie
     retriever: Retriever
     template: PromptTemplate
+    tokenizer: ModelTokenizer   # the version's prompt lines are its tokens
     prefix_ids: list[int]
     block_size: int
     # KV of prefix_ids[:shared_tokens]; an int32 array, set once by the warm-up, so that every step's
@@ -37,8 +39,8 @@ class CatalogRuntime:
     @classmethod
     def from_trie(cls, trie: Trie, retriever: Retriever, tokenizer, block_size: int) -> "CatalogRuntime":
         template = PromptTemplate.from_json(trie.meta["prompt"])
-        rt = cls(trie=trie, retriever=retriever, template=template, prefix_ids=tokenizer.encode(template.prefix),
-                 block_size=block_size)
+        rt = cls(trie=trie, retriever=retriever, template=template, tokenizer=tokenizer,
+                 prefix_ids=tokenizer.encode(template.prefix), block_size=block_size)
         rt.build_tables()
         return rt
 
@@ -122,19 +124,20 @@ class CatalogRuntime:
         return self.trie.meta["descriptions"]
 
     @cached_property
-    def lines(self) -> list[list[int] | None]:
-        """Each tool's prompt line as tokens, by pointer id, filled at the tool's first shortlist on this version
-        (a 100,000-tool version tokenizes only the lines it lists)."""
-        return [None] * len(self.trie.pointer_names)
+    def lines(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every tool's prompt line as tokens: (int32 tokens end to end, int64 [tools + 1] offsets by pointer id);
+        tokenized once, at load (100,000 tools: about 2 s on 2 cores, 8 MB)."""
+        ids = self.tokenizer.encode_batch([self.template.line(n, d)
+                                           for n, d in zip(self.trie.pointer_names, self.descriptions)])
+        offsets = np.zeros(len(ids) + 1, np.int64)
+        np.cumsum([len(x) for x in ids], out=offsets[1:])
+        return np.fromiter((t for x in ids for t in x), np.int32, int(offsets[-1])), offsets
 
-    def request_ids(self, tokenizer, tools, intent: str, k: int) -> list[int]:
+    def request_ids(self, tools, intent: str, k: int) -> list[int]:
         """A request's own prompt tokens after the prefix (PromptTemplate.request_ids): its shortlist's lines
         (`tools`: pointer ids) in that order, then the intent and k."""
-        lines = self.lines
-        for i in tools:
-            if lines[i] is None:
-                lines[i] = self.template.line_ids(tokenizer, self.trie.pointer_names[i], self.descriptions[i])
-        return self.template.request_ids(tokenizer, [lines[i] for i in tools], intent, k)
+        flat, at = self.lines
+        return self.template.request_ids(self.tokenizer, [flat[at[i]:at[i + 1]].tolist() for i in tools], intent, k)
 
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""

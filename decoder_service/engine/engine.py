@@ -181,7 +181,7 @@ class DecodeEngine:
             shortlist = self.retrieve(catalog, intent, k, allow)
         if timeout is not None and timeout <= 0:
             raise Expired("the request's deadline passed before it was queued")
-        prompt = catalog.prefix_ids + catalog.request_ids(self.tok, shortlist.ids, intent, k)
+        prompt = catalog.prefix_ids + catalog.request_ids(shortlist.ids, intent, k)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
