@@ -58,6 +58,7 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
 
     from decoder_service.model.cuda import kernels as K
     from decoder_service.model.cuda.intrinsics import MMA
+    from decoder_service.model.cuda.launcher import Kernel
     from decoder_service.model.cuda.matmul import GEMM_ROWS, GEMM_TILES, gemm_shared
     from decoder_service.model.weights import bf16_to_f32
     Kp = -(-K_ // 8) * 8
@@ -78,9 +79,11 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
 
     def run(lo, big=False):
         out = cuda.to_device(init.reshape(-1))
-        _, mt, nt = GEMM_TILES[K.GEMM_KERNELS[warps, big]]
+        name = K.GEMM_KERNELS[warps, big]
+        _, mt, nt = GEMM_TILES[name]
+        Kernel(name, "bfloat16").allow_dynamic_shared(gemm_shared(warps, mt, nt))   # over 48 KiB: opted into
         grid = (-(-N // (8 * nt)), -(-(end - lo) // (GEMM_ROWS * mt)))
-        K.KERNELS[K.GEMM_KERNELS[warps, big]][grid, warps * MMA, 0, gemm_shared(warps, mt, nt)](
+        K.KERNELS[name][grid, warps * MMA, 0, gemm_shared(warps, mt, nt)](
             d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp), i32(K_), i32(N), d_b, i32(use_bias),
             out, i32(width), i32(mode), i32(lo), i32(end))
         return out.copy_to_host().reshape(rows, width)
