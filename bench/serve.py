@@ -135,7 +135,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
             f"{type(engine.sampler).__name__}")
         solo = driver.one_by_one(rt, queries)
         log(f"  tooltrie concurrency 1: p50 {statistics.median(r['wall_s'] for r in solo) * 1e3:.1f} ms")
-        together, elapsed = driver.all_at_once(rt, queries)
+        together, elapsed, submitted = driver.all_at_once(rt, queries)
         log(f"  tooltrie all at once: {len(queries) / elapsed:.1f} queries/s")
         out = {
             "prefix_tokens": len(rt.prefix_ids), "warmup_s": round(warm, 3), "tool_vectors_s": round(vectors_s, 3),
@@ -147,6 +147,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
                               **{f"mean_{part}": round(float(np.mean([r[part] for r in solo])), 3)
                                  for part in ("retrieval_ms", "submit_ms", "queue_ms", "prefill_ms", "decode_ms")}},
             "all_at_once": {"seconds": round(elapsed, 3), "qps": round(len(queries) / elapsed, 2),
+                            "submitted_s": round(submitted, 3),
                             **percentiles([r["wall_s"] for r in together]),
                             "same_as_alone": sum(answer_key(a) == answer_key(b) for a, b in zip(solo, together))},
             "exactly_k": sum(len(set(r["names"])) == len(r["names"]) == q.k for r, q in zip(solo, queries)),
