@@ -24,9 +24,9 @@ kernel-profile: each case runs once unprofiled (compiles, warms L2) and once bet
 and Stop, launch by launch (no graph), so that ncu's per-kernel durations add up to the step's device
 time without the launch gaps a graph replay would still have.
 
-gemm: µs per layer of each matrix for M prompt rows at the SmolLM2 shape, the backend's GEMV row tiles
-against k_gemm's small and big tiles (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness is
-tests/test_gemm.py's.
+gemm: µs per layer of each matrix for M prompt rows at the SmolLM2 shape, the backend's GEMV row tiles against
+k_gemm's small and big tiles (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness
+is tests/test_gemm.py's.
 """
 from __future__ import annotations
 

@@ -6,9 +6,10 @@ the relative error must be at the level of x split into bf16 hi + lo (< 3e-5; x 
 would give ~2e-3), every output of the rows asked for written and no other row touched, and a row's
 bits the same wherever it falls in its row block and in big tiles (k_gemm_big: 32 x 64) as in small;
 each in k_gemm (4 warps a block) and k_gemm_wide (8: K split twice as finely; CudaBackend's gemm_warps
-picks one for every matrix, any other value refused). The simulator's mma twin rounds each output
-exactly, so the fragment layout (which lane holds which row and k) is what this checks; on a GPU the `gpu`-marked test runs the same cases and
-SmolLM2's four matrices on the tensor cores (`python -m bench gemm` times them against the GEMV tiles).
+picks one for every matrix, any other value refused). The simulator's mma twin rounds each output exactly, so
+the fragment layout (which lane holds which row and k) is what this checks; on a GPU the `gpu`-marked test
+runs the same cases and SmolLM2's four matrices on the tensor cores (`python -m bench gemm` times them against
+the GEMV tiles).
 """
 from __future__ import annotations
 

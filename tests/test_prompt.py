@@ -1,10 +1,10 @@
 """The shortlist prompt's tokens: joined from each tool's line tokenized alone, they are the whole text's.
 
-The decoder tokenizes every tool's line once, when a catalog version is loaded, and joins lines per request (and `tune` builds its
-prompts the same way), so the joined tokens must be what tokenizing the whole prompt text gives, or a tuned
-model would be served other tokens than the text it was trained on. Checked with the real SmolLM2 tokenizer
-(where `make model` has run) and the suite's small byte-level BPE, on random shortlists of every shared
-catalog; and a description that spells a placeholder stays text.
+The decoder tokenizes every tool's line once, when a catalog version is loaded, and joins lines per request
+(and `tune` builds its prompts the same way), so the joined tokens must be what tokenizing the whole prompt
+text gives, or a tuned model would be served other tokens than the text it was trained on. Checked with the
+real SmolLM2 tokenizer (where `make model` has run) and the suite's small byte-level BPE, on random shortlists
+of every shared catalog; and a description that spells a placeholder stays text.
 """
 from __future__ import annotations
 
