@@ -22,8 +22,8 @@ TILE_RED = 32 * TILE_ROWS     # k_gemv_tile: the rows' per-warp norm partials (u
 # block of warps per (mt m16 tiles x nt n8 tiles), each warp every (warps)-th 32-wide K chunk.
 GEMM_ROWS = 16                # k_gemm: rows of an m-tile (the mma's M)
 GEMM_WARPS = 4                # k_gemm: warps per block (split K)
-GEMM_MAX_WARPS = 8            # k_gemm_wide: warps per block (the shared arrays are sized for it)
-GEMM_MAX_MT, GEMM_MAX_NT = 2, 8              # k_gemm_big: m16 tiles and n8 tiles a block
+GEMM_MAX_WARPS = 8            # k_gemm_wide: warps per block (K split twice as finely: P68)
+GEMM_MAX_MT, GEMM_MAX_NT = 2, 8              # k_gemm_big: m16 tiles and n8 tiles a block (the local arrays are sized for it)
 GEMM_ACC = 4 * GEMM_MAX_MT * GEMM_MAX_NT     # a lane's accumulators (4 per m16 x n8 tile)
 GEMM_CX = 8 + 16 * GEMM_MAX_MT               # a lane's chunk of gamma and x rows
 GEMM_CW = 4 * GEMM_MAX_NT                    # a lane's chunk of weight words
