@@ -250,8 +250,7 @@ def gemm_arguments(p) -> None:
 
 
 def gemm(args) -> None:
-    from decoder_service.model.cuda.backend import GEMM_ROWS, TILE_ROWS, CudaBackend
-    from decoder_service.model.cuda.matmul import GEMM_MAX_MT
+    from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend
     from decoder_service.model.kv_pool import KVPoolSpec
     rows = ints(args.rows)
     cfg = shape_config("smollm2-135m")
@@ -266,8 +265,8 @@ def gemm(args) -> None:
           "k_gemm / big |\n| --- | --- | --- | --- | --- | --- | --- |")
     n = len(be.layers)
 
-    def gemm_ms(key: str, R: int, suffix: str, rows_a_block: int) -> float:
-        ms, _ = timer.graph_ms(lambda: [ly[key + suffix][0].launch(ly[key + suffix][1], -(-R // rows_a_block))
+    def gemm_ms(key: str, R: int, suffix: str) -> float:
+        ms, _ = timer.graph_ms(lambda: [ly[key + suffix][0].launch(ly[key + suffix][1], -(-R // ly[key + suffix][2]))
                                         for ly in be.layers])
         return ms * 1e3 / n
 
@@ -278,5 +277,5 @@ def gemm(args) -> None:
             tiles = -(-R // TILE_ROWS)
             t_ms, _ = timer.graph_ms(lambda key=key: [be.launch_tiles(ly[key + "/tile"], tiles) for ly in be.layers])
             t = t_ms * 1e3 / n
-            g, big = gemm_ms(key, R, "/gemm", GEMM_ROWS), gemm_ms(key, R, "/gemm_big", GEMM_ROWS * GEMM_MAX_MT)
+            g, big = gemm_ms(key, R, "/gemm"), gemm_ms(key, R, "/gemm_big")
             print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |", flush=True)

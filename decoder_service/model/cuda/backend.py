@@ -104,8 +104,8 @@ class RowPlan(NamedTuple):
     """How a step's rows go through the four matrices of every layer (CudaBackend.row_plan)."""
     gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
     tiles: int     # GEMV row tiles (the one-row kernel counts as one; 0: no GEMV rows)
-    blocks: int    # k_gemm row blocks (prompt rows on the tensor cores; 0: none)
-    gemm: str      # layer key suffix of those blocks' k_gemm launches: small or big tiles
+    prompt: int    # rows on the tensor cores (k_gemm; 0: none)
+    gemm: str      # layer key suffix of their k_gemm launch: small or big tiles
     rope: bool     # k_rope_kv runs (else RoPE and the KV write ran in the one-row QKV GEMV)
 
 
@@ -413,7 +413,7 @@ class CudaBackend:
                 bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None) -> dict:
         """A layer's launches of one matrix: `key` (one row), `key/tile` (row tiles) and, for a bf16
         model, `key/gemm` and `key/gemm_big` (k_gemm over the prompt rows, small and big tiles: launch, blocks
-        along x)."""
+        along x, rows a block)."""
         one, tile = self._gemv_pair(name, x, x_stride, gamma, use_norm, W, K, kp, N, bias, use_bias, out,
                                     out_stride, mode, rope)
         launches = {key: one, key + "/tile": tile}
@@ -427,7 +427,7 @@ class CudaBackend:
                 kernel = GEMM_KERNELS[warps, big]
                 _, mt, nt = GEMM_TILES[kernel]
                 launches[key + suffix] = (Launch(self.kernels[kernel], warps * MMA, gemm_shared(warps, mt, nt), args,
-                                                 self.stream.handle, name + suffix), -(-N // (8 * nt)))
+                                                 self.stream.handle, name + suffix), -(-N // (8 * nt)), GEMM_ROWS * mt)
         return launches
 
     def _build_launches(self) -> None:
@@ -577,16 +577,15 @@ class CudaBackend:
         self.n_rows.value = D
         self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
         big = R - D >= self.gemm_big_from
-        rows = GEMM_ROWS * GEMM_TILES[GEMM_KERNELS[GEMM_WARPS, big]][1]
-        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), -(-(R - D) // rows), "/gemm_big" if big else "/gemm", True)
+        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), R - D, "/gemm_big" if big else "/gemm", True)
 
     def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
         """One matrix of a layer for a step's rows: GEMV tiles (or the one-row GEMV), then k_gemm."""
         if plan.tiles:
             self.launch_tiles(layer[plan.gemv[key]], plan.tiles)
-        if plan.blocks:
-            lz, gx = layer[key + plan.gemm]
-            lz.launch(gx, plan.blocks)
+        if plan.prompt:
+            lz, gx, rows = layer[key + plan.gemm]
+            lz.launch(gx, -(-plan.prompt // rows))
 
     def attn_grids(self, max_ctx: int, row_splits: int = ROW_SPLITS) -> tuple[tuple, tuple]:
         """Attention's grids for the staged batch, its positions + 1 at most max_ctx: rows one at a time
