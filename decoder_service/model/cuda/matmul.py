@@ -622,12 +622,13 @@ def k_gemm_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, o
 @cuda.jit(cache=True)
 def k_gemm_wide_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode,
                     first, end):
-    """k_gemm_wide on k_gemm_big's tiles (the same bits as k_gemm_wide)."""
+    """k_gemm_wide on 32 x 32 tiles (mt, nt = 2, 4; the same bits as k_gemm_wide): with twice the warps, 2 x 8
+    tiles were slower (P87)."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_MAX_WARPS, 2, 8)
+               GEMM_MAX_WARPS, 2, 4)
 
 
 GEMM_TILES = {"k_gemm": (GEMM_WARPS, 1, 4), "k_gemm_wide": (GEMM_MAX_WARPS, 1, 4),
-              "k_gemm_big": (GEMM_WARPS, 2, 8), "k_gemm_wide_big": (GEMM_MAX_WARPS, 2, 8)}   # (warps, mt, nt)
+              "k_gemm_big": (GEMM_WARPS, 2, 8), "k_gemm_wide_big": (GEMM_MAX_WARPS, 2, 4)}   # (warps, mt, nt)
 SIGNATURES.update(dict.fromkeys(GEMM_TILES, _gemm))
 
