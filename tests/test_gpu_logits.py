@@ -1,12 +1,13 @@
-"""The forward pass's fingerprint on the H200: sha256 of the dense logits of four fixed batches, against the
-hashes recorded in docs/performance.md#recorded-fingerprints (skipped without a GPU; printed, not compared,
-on another GPU).
+"""The forward pass's fingerprint: sha256 of the dense logits of four fixed batches, against the hashes recorded in
+docs/performance.md#recorded-fingerprints, on a GPU of compute capability 9.0 with 132 SMs (the H200 and the H100
+SXM; skipped without a GPU; printed, not compared, on another).
 
 Random bf16 weights (seed 1) at the SmolLM2 and Qwen3-1.7B shapes (the cases' positions SmolLM2's; Qwen3's
 head_dim 128 takes the wide attention kernels), random K/V in the pool (seed 5), and every row of each batch
 gets logits, so every GEMV, attention kernel and head output feeds the hash. Equal hashes say a change is
 bit-identical to the path it replaces; a change meant to move bits records its new hashes here, with the
-commit. The attention split rule depends on the SM count, hence the H200 only.
+commit. The cases run in order on one pool: the K/V a prompt case writes is read by the cases after it. The
+attention split rule depends on the SM count, hence one kind of device.
 """
 from __future__ import annotations
 
@@ -20,13 +21,11 @@ from sim_runner import run_script
 pytestmark = pytest.mark.gpu
 PREFIX = 4955   # MetaTool's catalog prefix with SmolLM2's tokenizer
 CASES = [("prefill", 71, PREFIX), ("prefill", 96, 20), ("prefill", 3, PREFIX + 100), ("decode", 3, PREFIX)]
-# Recorded on d0c8554, the H200, in CASES' order (docs/performance.md#recorded-fingerprints; SmolLM2's the
-# same four on both trees of P75/P76's A/B). P83 (93f7e60) moved the second case's bits on purpose (prompt rows
-# before position 2,048 now attend in tiles); its two hashes are to be recorded again on the next H200.
-RECORDED = {
-    "smollm2-135m": ["c8c42c9a937800e4", "78e4653001b7198a", "4ffede6e2190458b", "21155122e7e4f6d6"],
-    "qwen3-1.7b": ["bbd4c6e14b36414d", "b1e671a94f351aaf", "2f5a3e8eb8c93319", "373e866e18117100"],
+RECORDED = {   # P83's hashes (93f7e60, recorded on an H100 at a4e9601); the first case's equal to the H200's before it
+    "smollm2-135m": ["c8c42c9a937800e4", "995016ef63bc0ff5", "82c2099716c038d9", "875e1236c4c6a7e6"],
+    "qwen3-1.7b": ["bbd4c6e14b36414d", "6cc4e1b21ba51230", "a5380bb720ac3074", "081e0ad5c4bd9d9a"],
 }
+DEVICE = ((9, 0), 132)   # compute capability, SMs
 
 
 @pytest.mark.parametrize("shape", sorted(RECORDED))
@@ -37,8 +36,8 @@ def test_the_logits_fingerprint_is_the_recorded_one(shape, monkeypatch):
     monkeypatch.setenv("TOOLTRIE_GPU_SHAPE", shape)
     r = run_script(__file__, sim=False, timeout=900)
     print(f"{shape} on {r['device']}: {r['hashes']}")
-    if "H200" not in r["device"]:
-        pytest.skip(f"hashes recorded on the H200, not {r['device']}: {r['hashes']}")
+    if (tuple(r["capability"]), r["sms"]) != DEVICE:
+        pytest.skip(f"hashes recorded for {DEVICE} (capability, SMs), not {r['device']}: {r['hashes']}")
     assert r["hashes"] == RECORDED[shape]
 
 
@@ -61,9 +60,10 @@ def main() -> None:
         batch = dataclasses.replace(case_batch(case, rows, prefix, per_seq), logit_rows=np.arange(rows, dtype=np.int32))
         be.forward(batch)
         hashes.append(hashlib.sha256(be.dense_logits().tobytes()).hexdigest()[:16])
-    name = cuda.get_current_device().name
-    print("RESULT " + json.dumps({"device": name.decode() if isinstance(name, bytes) else str(name),
-                                  "hashes": hashes}))
+    dev = cuda.get_current_device()
+    name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+    print("RESULT " + json.dumps({"device": name, "capability": list(dev.compute_capability),
+                                  "sms": dev.MULTIPROCESSOR_COUNT, "hashes": hashes}))
 
 
 if __name__ == "__main__":
