@@ -250,7 +250,7 @@ def gemm_arguments(p) -> None:
 
 
 def gemm(args) -> None:
-    from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend
+    from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend, RowPlan
     from decoder_service.model.kv_pool import KVPoolSpec
     rows = ints(args.rows)
     cfg = shape_config("smollm2-135m")
@@ -265,17 +265,15 @@ def gemm(args) -> None:
           "k_gemm / big |\n| --- | --- | --- | --- | --- | --- | --- |")
     n = len(be.layers)
 
-    def gemm_ms(key: str, R: int, suffix: str) -> float:
-        ms, _ = timer.graph_ms(lambda: [ly[key + suffix][0].launch(ly[key + suffix][1], -(-R // ly[key + suffix][2]))
-                                        for ly in be.layers])
+    def per_layer_us(key: str, plan: RowPlan) -> float:
+        ms, _ = timer.graph_ms(lambda: [be.launch_matrix(ly, key, plan) for ly in be.layers])
         return ms * 1e3 / n
 
     for R in rows:
         be.n_rows.value = R
         be.gemm_rows[0].value, be.gemm_rows[1].value = 0, R
         for key in ("qkv", "o", "gate_up", "down"):
-            tiles = -(-R // TILE_ROWS)
-            t_ms, _ = timer.graph_ms(lambda key=key: [be.launch_tiles(ly[key + "/tile"], tiles) for ly in be.layers])
-            t = t_ms * 1e3 / n
-            g, big = gemm_ms(key, R, "/gemm"), gemm_ms(key, R, "/gemm_big")
+            tiles = RowPlan({key: key + "/tile"}, -(-R // TILE_ROWS), 0, "", True)   # every row on the GEMV tiles
+            t, g, big = (per_layer_us(key, plan) for plan in (tiles, RowPlan({}, 0, R, "/gemm", True),
+                                                               RowPlan({}, 0, R, "/gemm_big", True)))
             print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |", flush=True)

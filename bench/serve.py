@@ -144,8 +144,8 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
             "concurrency_1": {**percentiles([r["wall_s"] for r in solo]),
                               "ttfp": percentiles([r["ttfp_s"] for r in solo]),
                               "tokens_per_answer": round(float(np.mean([r["tokens"] for r in solo])), 2),
-                              **{f"{stat.__name__}_{part}": round(float(stat([r[part] for r in solo])), 3)
-                                 for stat in (np.mean, np.max)
+                              **{f"{name}_{part}": round(float(stat([r[part] for r in solo])), 3)
+                                 for name, stat in (("mean", np.mean), ("max", np.max))
                                  for part in ("retrieval_ms", "submit_ms", "queue_ms", "prefill_ms", "decode_ms")}},
             "all_at_once": {"seconds": round(elapsed, 3), "qps": round(len(queries) / elapsed, 2),
                             "submitted_s": round(submitted, 3),

@@ -25,7 +25,7 @@ class ModelTokenizer:
         if not path.is_file():
             raise TokenizerError(f"{path} not found (run `make model`, or pass --model DIR)")
         self.tokenizer = Tokenizer.from_file(str(path))
-        # user text's tokenizer built now, not by the first request (a 49k vocabulary: ~60-130 ms)
+        # user text's tokenizer built now, not by the first request (a copy of the whole vocabulary)
         self.plain = Tokenizer.from_str(self.tokenizer.to_str())
         self.plain.encode_special_tokens = True
 

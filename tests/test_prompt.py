@@ -65,7 +65,7 @@ def test_a_description_that_spells_a_placeholder_stays_text(small_tokenizer_dir)
 
 def test_a_version_tokenizes_its_lines_at_load(small_tokenizer_dir):
     """CatalogRuntime.request_ids is the whole text's tokens, from every tool's line tokenized when the version
-    is loaded (P84: a version's first request costs what any other does)."""
+    is loaded (P86: a version's first request costs what any other does)."""
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.retrieval import Retriever, bm25_index

@@ -27,6 +27,7 @@ class Catalog:
     names: list[str]
     descriptions: list[str]
     name_ids: list[list[int]]
+    line_ids: list[list[int]]                         # each tool's prompt line, tokenized once (as a served version's)
     digest: str                                       # sha256 of the registry file
     labelled: list[Query] = field(default_factory=list)   # the training split, published as examples
     held_out: frozenset[int] = frozenset()            # tools kept out of every labelled training query
@@ -72,13 +73,13 @@ class Encoder:
         tools = parse_registry(raw).tools
         names = [t.name for t in tools]
         ids = tokenize_names(names, self.tok, self.template.separator, self.sep_id)
-        return Catalog(source.name, json.loads(raw), names, [t.description for t in tools], ids,
+        lines = self.tok.encode_batch([self.template.line(t.name, t.description) for t in tools])
+        return Catalog(source.name, json.loads(raw), names, [t.description for t in tools], ids, lines,
                        hashlib.sha256(raw).hexdigest(), index={n: i for i, n in enumerate(names)})
 
     def prompt(self, item: Item, order: list[int]) -> list[int]:
         """The request's prompt with the shortlist listed in `order` (tool indices)."""
-        c = item.catalog
-        lines = [self.tok.encode(self.template.line(c.names[i], c.descriptions[i])) for i in order]
+        lines = [item.catalog.line_ids[i] for i in order]
         return self.prefix_ids + self.template.request_ids(self.tok, lines, item.query, len(item.gold))
 
     def answer(self, item: Item) -> list[int]:
