@@ -53,9 +53,12 @@ class Bm25Index:
     ARRAYS = ("term_start", "doc", "weight")
 
     def __post_init__(self):
-        """The term lookup is built with the index, not at its first query: a version's first request then
-        costs what the others do."""
+        """The term lookup is built and the postings' sum compiled with the index, not at its first query (numba
+        compiles on a first call: ~150 ms even from its disk cache): a version's first request then costs what
+        the others do."""
         self.lookup = {t: i for i, t in enumerate(self.terms)}
+        _accumulate(np.empty(0, np.int32), self.term_start, self.doc, self.weight, np.zeros(0, np.float32),
+                    np.empty(0, np.int32))
 
     @classmethod
     def build(cls, docs: list[list[str]]) -> "Bm25Index":
