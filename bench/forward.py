@@ -274,6 +274,6 @@ def gemm(args) -> None:
         be.gemm_rows[0].value, be.gemm_rows[1].value = 0, R
         for key in ("qkv", "o", "gate_up", "down"):
             tiles = RowPlan({key: key + "/tile"}, -(-R // TILE_ROWS), 0, "", True)   # every row on the GEMV tiles
-            t, g, big = (per_layer_us(key, plan) for plan in (tiles, RowPlan({}, 0, R, "/gemm", True),
-                                                               RowPlan({}, 0, R, "/gemm_big", True)))
+            t, g, big = (per_layer_us(key, plan) for plan in (tiles, RowPlan({}, 0, R, {key: key + "/gemm"}, True),
+                                                               RowPlan({}, 0, R, {key: key + "/gemm_big"}, True)))
             print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |", flush=True)

@@ -32,7 +32,8 @@ from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 3), np.int32)
-GEMM_BIG_FROM = 128  # a step's prompt rows from which k_gemm takes big tiles (P85)
+# a step's prompt rows from which each matrix takes k_gemm's big tiles (P85; per matrix, P90; None: never)
+GEMM_BIG_FROM = {"qkv": 1024, "o": None, "gate_up": 128, "down": 128}
 PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (P63)
 
 
@@ -105,7 +106,7 @@ class RowPlan(NamedTuple):
     gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
     tiles: int     # GEMV row tiles (the one-row kernel counts as one; 0: no GEMV rows)
     prompt: int    # rows on the tensor cores (k_gemm; 0: none)
-    gemm: str      # layer key suffix of their k_gemm launch: small or big tiles
+    gemm: dict     # layer key of each matrix's k_gemm launch: small or big tiles
     rope: bool     # k_rope_kv runs (else RoPE and the KV write ran in the one-row QKV GEMV)
 
 
@@ -136,7 +137,7 @@ class CudaBackend:
                  max_rows: int = 1024, max_logit_rows: int = 128, max_candidates: int = 256,
                  max_table: int | None = None, gemv_threads: int | None = None, prefetch: int = 1,
                  attn_split: int | None = None, attn_splits: int | None = None, attn_tile_from: int = 0,
-                 gemm_warps: int | None = None, gemm_big_from: int = GEMM_BIG_FROM, graph_rows: int = 16,
+                 gemm_warps: int | None = None, gemm_big_from: int | None = None, graph_rows: int = 16,
                  max_graphs: int = 64):
         if weights.dtype not in STORAGE_DTYPES:
             raise ModelError(f"cuda backend: unsupported weight dtype {weights.dtype!r}")
@@ -157,7 +158,9 @@ class CudaBackend:
         self.graph_rows, self.max_graphs = int(graph_rows), int(max_graphs)
         self._graphs: dict[tuple, Graph] = {}
         self._choose_kernels(attn_split, attn_splits, attn_tile_from, gemm_warps)
-        self.gemm_big_from = int(gemm_big_from)   # prompt rows from which k_gemm takes its big tiles (P85)
+        # prompt rows from which each matrix takes k_gemm's big tiles: GEMM_BIG_FROM, or one figure for all
+        self.gemm_big_from = GEMM_BIG_FROM if gemm_big_from is None else \
+            dict.fromkeys(GEMM_BIG_FROM, int(gemm_big_from))
         self._check_memory(weights)
         self.stream = Stream()
         self._upload_weights(weights)
@@ -563,28 +566,30 @@ class CudaBackend:
 
     _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
     _ROW_TILES = {k: k + "/tile" for k in _ONE_ROW}
+    _SMALL_TILES = {k: k + "/gemm" for k in _ONE_ROW}
 
     def row_plan(self, R: int) -> RowPlan:
         """Which kernels compute the matrices for the staged step of R rows (and the row scalars they
-        read, set here). Prompt rows of a bf16 model (rows decode_rows .. R-1) go to k_gemm; the other
+        read, set here). Prompt rows of a bf16 model (rows decode_rows .. R-1) go to k_gemm (each matrix on
+        its small or big tiles by the step's prompt rows: gemm_big_from, the same bits either way); the other
         rows to the GEMVs: a lone row to the one-row kernels (RoPE and the KV write in the QKV GEMV's
         epilogue where the model has no q/k norm), more rows to tiles of TILE_ROWS rows. Either GEMV
         gives a row the same bits (launch_tiles); which kernel takes a row is its kind's, never the
         batch's."""
         D = min(self._n_decode, R) if self.gemm else R
         if D == 1 == R:
-            return RowPlan(self._ONE_ROW, 1, 0, "/gemm", not self.fused_rope)
+            return RowPlan(self._ONE_ROW, 1, 0, self._SMALL_TILES, not self.fused_rope)
         self.n_rows.value = D
         self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
-        big = R - D >= self.gemm_big_from
-        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), R - D, "/gemm_big" if big else "/gemm", True)
+        gemm = {k: k + ("/gemm" if f is None or R - D < f else "/gemm_big") for k, f in self.gemm_big_from.items()}
+        return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), R - D, gemm, True)
 
     def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
         """One matrix of a layer for a step's rows: GEMV tiles (or the one-row GEMV), then k_gemm."""
         if plan.tiles:
             self.launch_tiles(layer[plan.gemv[key]], plan.tiles)
         if plan.prompt:
-            lz, gx, rows = layer[key + plan.gemm]
+            lz, gx, rows = layer[plan.gemm[key]]
             lz.launch(gx, -(-plan.prompt // rows))
 
     def attn_grids(self, max_ctx: int, row_splits: int = ROW_SPLITS) -> tuple[tuple, tuple]:
