@@ -495,11 +495,12 @@ def gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt):
 
 @cuda.jit(device=True, inline="always")
 def gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               warps, mt, nt):
+               warps, mt, nt, ahead):
     """k_gemm's block: `warps` warps, mt m16 tiles x nt n8 tiles, constants of the kernel that calls it (so the
     loops over them unroll as they would over literals). Every output element takes the same path whatever
     mt and nt are (its row's warp-w chunks chained in order, the warps' partials summed in warp order), so the
-    tile shape is free to change with the batch: only `warps` fixes a row's bits."""
+    tile shape is free to change with the batch: only `warps` fixes a row's bits. `ahead`: load the next chunk
+    while this one's mmas run (two register sets), or not (one: fewer registers, more warps an SM)."""
     pdl_enter()
     sh = cuda.shared.array(0, nb_f32)   # the warps' partial tiles, then their partial sums of squares per row
     tiles = mt * nt
@@ -521,24 +522,30 @@ def gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, o
         ss[2 * i + 1] = np.float32(0.0)
     for i in range(4 * tiles):
         acc[i] = np.float32(0.0)
-    # chunk c's operands in registers (cx: gamma then the m-tiles' x rows; cw: the n8 tiles' weight words),
-    # the next chunk's loads issued before this chunk's mmas; the two register sets take turns
+    # chunk c's operands in registers (cx: gamma then the m-tiles' x rows; cw: the n8 tiles' weight words);
+    # ahead: the next chunk's loads issued before this chunk's mmas, two register sets taking turns
     cx = cuda.local.array(GEMM_CX, nb_f32)
     cw = cuda.local.array(GEMM_CW, nb_u32)
     nx = cuda.local.array(GEMM_CX, nb_f32)
     nw = cuda.local.array(GEMM_CW, nb_u32)
     step = warps * 32
     c = w * 32
-    gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt)
-    while c < Kp:
-        gemm_load(nx, nw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
-        gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt)
-        c += step
-        if c >= Kp:
-            break
-        gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
-        gemm_chunk(nx, nw, acc, ss, use_norm, mt, nt)
-        c += step
+    if ahead:
+        gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt)
+        while c < Kp:
+            gemm_load(nx, nw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
+            gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt)
+            c += step
+            if c >= Kp:
+                break
+            gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
+            gemm_chunk(nx, nw, acc, ss, use_norm, mt, nt)
+            c += step
+    else:       # one register set: fewer registers, more warps an SM to hide the loads
+        while c < Kp:
+            gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt)
+            gemm_chunk(cx, cw, acc, ss, use_norm, mt, nt)
+            c += step
     for q in range(tiles):
         for e in range(4):
             sh[((w * tiles + q) * 4 + e) * MMA + lane] = acc[4 * q + e]
@@ -599,7 +606,7 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
     device). Block: GEMM_WARPS * MMA threads, gemm_shared bytes. Padding columns of x and gamma (to Kp)
     must be zero."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_WARPS, 1, 4)
+               GEMM_WARPS, 1, 4, True)
 
 
 @cuda.jit(cache=True)
@@ -608,15 +615,16 @@ def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, 
     """k_gemm with GEMM_MAX_WARPS warps a block: each takes every GEMM_MAX_WARPS-th chunk, half as many
     in a row, for matrices whose K is long (P68). Block: GEMM_MAX_WARPS * MMA threads."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_MAX_WARPS, 1, 4)
+               GEMM_MAX_WARPS, 1, 4, True)
 
 
 @cuda.jit(cache=True)
 def k_gemm_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """k_gemm on 32 x 64 tiles (mt, nt = 2, 8): each weight and x load feeds twice the mmas, for long prompts
-    (the same bits as k_gemm)."""
+    (the same bits as k_gemm). One register set, no loads ahead: 168 registers, three blocks an SM, where two
+    sets took 255 and spilled, and the gate/up projection ran 15–17% slower (P93)."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_WARPS, 2, 8)
+               GEMM_WARPS, 2, 8, False)
 
 
 @cuda.jit(cache=True)
@@ -625,7 +633,7 @@ def k_gemm_wide_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bi
     """k_gemm_wide on 32 x 32 tiles (mt, nt = 2, 4; the same bits as k_gemm_wide): with twice the warps, 2 x 8
     tiles were slower (P87)."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
-               GEMM_MAX_WARPS, 2, 4)
+               GEMM_MAX_WARPS, 2, 4, True)
 
 
 GEMM_TILES = {"k_gemm": (GEMM_WARPS, 1, 4), "k_gemm_wide": (GEMM_MAX_WARPS, 1, 4),
