@@ -526,11 +526,11 @@ def gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, o
     # ahead: the next chunk's loads issued before this chunk's mmas, two register sets taking turns
     cx = cuda.local.array(GEMM_CX, nb_f32)
     cw = cuda.local.array(GEMM_CW, nb_u32)
-    nx = cuda.local.array(GEMM_CX, nb_f32)
-    nw = cuda.local.array(GEMM_CW, nb_u32)
     step = warps * 32
     c = w * 32
     if ahead:
+        nx = cuda.local.array(GEMM_CX, nb_f32)
+        nw = cuda.local.array(GEMM_CW, nb_u32)
         gemm_load(cx, cw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c, mt, nt)
         while c < Kp:
             gemm_load(nx, nw, x, xr, gamma, use_norm, W, Kp, N, n0, g, t, c + step, mt, nt)
@@ -621,8 +621,8 @@ def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, 
 @cuda.jit(cache=True)
 def k_gemm_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """k_gemm on 32 x 64 tiles (mt, nt = 2, 8): each weight and x load feeds twice the mmas, for long prompts
-    (the same bits as k_gemm). One register set, no loads ahead: 168 registers, three blocks an SM, where two
-    sets took 255 and spilled, and the gate/up projection ran 15–17% slower (P93)."""
+    (the same bits as k_gemm). One register set, no loads ahead: 168 registers and three blocks an SM, where
+    two sets took 255, spilled and ran slower (P93)."""
     gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
                GEMM_WARPS, 2, 8, False)
 
