@@ -7,6 +7,7 @@ device_trie), the device buffers and the launch plan are in model/cuda/README.md
 from __future__ import annotations
 
 import math
+from bisect import bisect_right
 
 import numpy as np
 from numba import njit
@@ -159,8 +160,11 @@ class CudaBackend:
         self._graphs: dict[tuple, Graph] = {}
         self._choose_kernels(attn_split, attn_splits, attn_tile_from, gemm_warps)
         # prompt rows from which each matrix takes k_gemm's big tiles: GEMM_BIG_FROM, or one figure for all
-        self.gemm_big_from = GEMM_BIG_FROM if gemm_big_from is None else \
-            dict.fromkeys(GEMM_BIG_FROM, int(gemm_big_from))
+        big_from = GEMM_BIG_FROM if gemm_big_from is None else dict.fromkeys(GEMM_BIG_FROM, int(gemm_big_from))
+        # each matrix's k_gemm launch per span of prompt rows between those figures, so a step only looks one up
+        self._gemm_from = sorted({f for f in big_from.values() if f is not None})
+        self._gemm_plans = [{k: k + ("/gemm" if f is None or f > rows else "/gemm_big") for k, f in big_from.items()}
+                            for rows in [0] + self._gemm_from]
         self._check_memory(weights)
         self.stream = Stream()
         self._upload_weights(weights)
@@ -566,7 +570,6 @@ class CudaBackend:
 
     _ONE_ROW = {k: k for k in ("qkv", "o", "gate_up", "down")}
     _ROW_TILES = {k: k + "/tile" for k in _ONE_ROW}
-    _SMALL_TILES = {k: k + "/gemm" for k in _ONE_ROW}
 
     def row_plan(self, R: int) -> RowPlan:
         """Which kernels compute the matrices for the staged step of R rows (and the row scalars they
@@ -578,10 +581,10 @@ class CudaBackend:
         batch's."""
         D = min(self._n_decode, R) if self.gemm else R
         if D == 1 == R:
-            return RowPlan(self._ONE_ROW, 1, 0, self._SMALL_TILES, not self.fused_rope)
+            return RowPlan(self._ONE_ROW, 1, 0, self._gemm_plans[0], not self.fused_rope)
         self.n_rows.value = D
         self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
-        gemm = {k: k + ("/gemm" if f is None or R - D < f else "/gemm_big") for k, f in self.gemm_big_from.items()}
+        gemm = self._gemm_plans[bisect_right(self._gemm_from, R - D)]
         return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), R - D, gemm, True)
 
     def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
