@@ -293,7 +293,7 @@ def _sim_case() -> dict:
     import tempfile
 
     from decoder_service.encoder.config import EncoderConfig
-    from decoder_service.encoder.cuda import CudaEncoder, stored_weights
+    from decoder_service.encoder.cuda import GRAPH_ROWS, CudaEncoder, stored_weights
     from decoder_service.encoder.reference import ReferenceEncoder
     from decoder_service.encoder.weights import load_weights
     from decoder_service.model.cuda import sim_accel
@@ -306,17 +306,21 @@ def _sim_case() -> dict:
     seqs = random_seqs(np.random.default_rng(6), 4, cfg.vocab_size, cfg.max_seq_length)
     seqs[0] = seqs[0][:1]                                # one token: a row that only sees itself
     seqs[1] = np.resize(seqs[1], cfg.max_seq_length)     # the longest text
-    enc = CudaEncoder(cfg, w, chunk_tokens=cfg.max_seq_length + 8, small_rows=0)
-    batch = enc.embed(seqs)                              # chunks of at most 20 rows, k_gemm_tile
+    raw = CudaEncoder(cfg, w, chunk_tokens=cfg.max_seq_length + 8, small_rows=0, graphs=0)
+    batch = raw.embed(seqs)                              # chunks of at most 20 rows, k_gemm_tile, raw launches
     ref = ReferenceEncoder(cfg, stored_weights(w)).embed(seqs)
-    seg = CudaEncoder(cfg, w, chunk_tokens=64, small_rows=64).embed(seqs)   # one chunk, k_gemm_seg
+    seg = CudaEncoder(cfg, w, chunk_tokens=64, small_rows=64, graphs=0).embed(seqs)   # one chunk, k_gemm_seg
+    enc = CudaEncoder(cfg, w, chunk_tokens=64, small_rows=0)
     alone = enc.embed([seqs[2]])                         # a captured graph, then replayed
     again = enc.embed([seqs[2]])
+    pair = enc.embed(seqs[2:4])                          # two texts and spare rows in one graph
+    rows = [-(-n // GRAPH_ROWS) * GRAPH_ROWS for n in (len(seqs[2]), len(seqs[2]) + len(seqs[3]))]
     return dict(rel_max=float(rel_errors(batch, ref).max()),
                 norms_ok=bool(np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-6)),
-                alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)),
+                alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
+                                        and np.array_equal(pair, batch[2:4])),
                 tile_equals_seg=bool(np.array_equal(batch, seg)),
-                graph_replayed=list(enc.graphs) == [len(seqs[2])])
+                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)])
 
 
 # --- the real all-MiniLM-L6-v2 ---------------------------------------------------------------------
@@ -376,7 +380,7 @@ def test_cuda_encoder_on_real_weights():
 
 def _gpu_case() -> dict:
     from decoder_service.encoder import load_encoder
-    from decoder_service.encoder.cuda import CudaEncoder, stored_weights
+    from decoder_service.encoder.cuda import GRAPH_ROWS, CudaEncoder, stored_weights
     from decoder_service.encoder.reference import ReferenceEncoder
     from decoder_service.encoder.weights import load_weights
 

@@ -1,6 +1,7 @@
 """The CUDA encoder: numba.cuda kernels for the BERT forward pass, launched by the generator's launcher.
 
-Texts packed end to end, float16 weights, float32 sums; a single text replays a captured graph. Every GEMM
+Texts packed end to end, float16 weights, float32 sums; a few texts (a request's parts) replay a graph captured
+for their row count rounded up to GRAPH_ROWS (the spare rows a text of their own) and text count. Every GEMM
 output is the same arithmetic in k_gemm_tile and k_gemm_seg (K in SEG segments, fixed order), so a text's
 vector is bit-identical alone or in any batch (docs/encoder.md, "The CUDA pass").
 """
@@ -15,7 +16,7 @@ import numpy as np
 
 from decoder_service.model.config import ModelError
 from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ldf
+from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ldf, pdl_enter
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda  # noqa: E402
@@ -42,9 +43,11 @@ SEG_SUMS = MAX_SEGS * MS * COLS   # k_gemm_seg: the segment sums in shared memor
 ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks
 ATTN_THREADS = WARP               # attention: one warp per (row, head)
 MAX_H = 1024                      # hidden size bound (a row staged in shared memory)
-SMALL_ROWS = 64                   # chunks of at most this many rows run their GEMMs in k_gemm_seg
+SMALL_ROWS = 256                  # chunks of at most this many rows run their GEMMs in k_gemm_seg
 CHUNK_TOKENS = 16384              # token rows per forward pass (activations ~ 15 KB a row)
-GRAPHS = 64                       # captured single-text graphs kept (one per token count)
+GRAPHS = 64                       # captured graphs kept (one per padded row count and text count)
+GRAPH_ROWS = 4 if SIM else 16     # a graph's rows: the texts' tokens rounded up to a multiple of this
+GRAPH_TEXTS = 8                   # most texts a graph runs (a request's parts: retrieval.MAX_PARTS)
 
 MODE_PLAIN, MODE_GELU, MODE_RESIDUAL = 0, 1, 2
 
@@ -63,6 +66,7 @@ def epilogue(v, res, idx, mode):
 def k_gemm_tile(a, W, bias, res, out, M, K, N, mode):
     """out[M, N] = epilogue(a[M, K] @ W[K, N] + bias): a BM x BM block tile, TM x TM outputs a thread,
     K in shared-memory tiles of SEG. Grid (N / BM, ceil(M / BM)), block TT * TT."""
+    pdl_enter()
     a_s = cuda.shared.array(A_TILE, nb_f32)      # [k][m], padded: conflict-free stores
     w_s = cuda.shared.array(W_TILE, nb_f32)      # [k][n]
     acc = cuda.local.array(TILE_OUT, nb_f32)
@@ -108,23 +112,23 @@ def k_gemm_seg(a, W, bias, res, out, M, K, N, mode):
     """The same outputs as k_gemm_tile, bit for bit, for a few rows: a block owns MS rows x COLS
     columns and spreads K's segments over its threads (thread (g, c): column c, segments g, g + G, ...),
     then adds each output's segment sums in ascending order. Grid (N / COLS, ceil(M / MS)), block COLS * G."""
+    pdl_enter()
     sums = cuda.shared.array(SEG_SUMS, nb_f32)   # [segment][row][column]
-    part = cuda.local.array(MS, nb_f32)
+    w = cuda.local.array(SEG, nb_f32)
     tid = cuda.threadIdx.x
     c, g, groups = tid % COLS, tid // COLS, cuda.blockDim.x // COLS
     n = cuda.blockIdx.x * COLS + c
     m0 = cuda.blockIdx.y * MS
     nseg = K // SEG
     for s in range(g, nseg, groups):
+        for kk in range(SEG):      # the segment's weights first: their loads in flight together
+            w[kk] = ldf(W, (s * SEG + kk) * N + n)
         for i in range(MS):
-            part[i] = 0
-        for kk in range(SEG):
-            k = s * SEG + kk
-            w = ldf(W, k * N + n)
-            for i in range(MS):
-                part[i] = cuda.fma(a[min(m0 + i, M - 1) * K + k], w, part[i])
-        for i in range(MS):
-            sums[(s * MS + i) * COLS + c] = part[i]
+            row = min(m0 + i, M - 1) * K + s * SEG
+            p = nb_f32(0)
+            for kk in range(SEG):
+                p = cuda.fma(a[row + kk], w[kk], p)
+            sums[(s * MS + i) * COLS + c] = p
     cuda.syncthreads()
     for e in range(tid, MS * COLS, cuda.blockDim.x):
         i, cc = e // COLS, e % COLS
@@ -157,6 +161,7 @@ def layer_norm_staged(xs, s, H, gamma, beta, eps, out, base, tid, T, red):
 @cuda.jit(cache=True)
 def k_embed(meta, M, word, pos, type0, gamma, beta, eps, H, out):
     """out[row] = LayerNorm(word[id] + pos[position in its text] + type0). Grid M."""
+    pdl_enter()
     xs = cuda.shared.array(MAX_H, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -173,6 +178,7 @@ def k_embed(meta, M, word, pos, type0, gamma, beta, eps, H, out):
 @cuda.jit(cache=True)
 def k_layernorm(x, gamma, beta, eps, H, out):
     """out[row] = LayerNorm(x[row]). Grid M."""
+    pdl_enter()
     xs = cuda.shared.array(MAX_H, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -188,6 +194,7 @@ def k_layernorm(x, gamma, beta, eps, H, out):
 def k_attention(qkv, meta, M, nh, hd, scale, out):
     """Bidirectional attention of one row and one head over its own text's rows (keys ascending).
     qkv rows are query | key | value, heads contiguous. Grid (M, nh), block one warp."""
+    pdl_enter()
     sc = cuda.shared.array(MAX_TOKENS, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     row, h, tid, T = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x, cuda.blockDim.x
@@ -222,6 +229,7 @@ def k_attention(qkv, meta, M, nh, hd, scale, out):
 @cuda.jit(cache=True)
 def k_pool(x, meta, M, H, out):
     """out[t] = mean of text t's rows (ascending), divided by its L2 norm (at least 1e-12). Grid texts."""
+    pdl_enter()
     xs = cuda.shared.array(MAX_H, nb_f32)
     red = cuda.shared.array(32, nb_f32)
     t, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
@@ -294,18 +302,18 @@ class CudaEncoder:
         self.ctx = cuda.device_array(R * H, np.float32)
         self.qkv = cuda.device_array(R * 3 * H, np.float32)
         self.inter = cuda.device_array(R * I, np.float32)
-        self.meta = cuda.device_array(2 * R + 2 * B, np.int32)   # ids | row -> text | (start, len) a text
+        self.meta = cuda.device_array(2 * R + 2 * B + 2, np.int32)   # ids | row -> text | (start, len) a text
         self.emb = cuda.device_array(B * H, np.float32)
         pin = np.zeros if SIM else cuda.pinned_array
-        self.meta_host, self.emb_host = pin(2 * R + 2 * B, np.int32), pin(B * H, np.float32)
+        self.meta_host, self.emb_host = pin(2 * R + 2 * B + 2, np.int32), pin(B * H, np.float32)
         self.rows = Scalar(ctypes.c_int32)            # M: the chunk's token rows
-        self.graphs: OrderedDict[int, Graph] = OrderedDict()
+        self.graphs: OrderedDict[tuple[int, int], Graph] = OrderedDict()
         self._build_launches()
 
     def _build_launches(self) -> None:
         cfg, st = self.cfg, self.stream.handle
         H, I, nh, eps = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.layer_norm_eps
-        k = {name: Kernel(name, dispatcher=f, argtypes=a) for name, (f, a) in _signatures().items()}
+        k = {name: Kernel(name, dispatcher=f, argtypes=a, pdl=True) for name, (f, a) in _signatures().items()}
         M = self.rows
         gamma, beta = self.emb_norm
         self.l_embed = Launch(k["encoder.k_embed"], ROW_THREADS, 0,
@@ -339,11 +347,11 @@ class CudaEncoder:
                                 norm("ffn", self.y, self.x)])
 
     def _enqueue(self, M: int, B: int) -> None:
-        """Copy the staged inputs, run the forward pass over M rows of B texts, copy the vectors back
-        (all asynchronous on the stream; capturable)."""
+        """Copy the staged inputs, run the forward pass over M rows of B texts (and the spare rows' text after
+        them), copy the B vectors back (all asynchronous on the stream; capturable)."""
         self.rows.value = M
         s = self.stream
-        s.h2d(self.meta, self.meta_host, 2 * M + 2 * B)
+        s.h2d(self.meta, self.meta_host, 2 * M + 2 * B + 2)
         self.l_embed.launch(M)
         small = M <= self.small_rows
         for ops in self.layers:
@@ -359,25 +367,32 @@ class CudaEncoder:
         self.l_pool.launch(B)
         s.d2h(self.emb_host, self.emb, B * self.cfg.hidden_size)
 
-    def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int]:
+    def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int, bool]:
+        """Stage the texts' ids, row -> text map and (start, length) pairs; rows past the texts' (up to a graph's
+        row count, when they run in one) are a spare text of [PAD] tokens that no vector is pooled from. Returns
+        (rows, texts, whether a graph runs them)."""
         lens = np.array([len(q) for q in seqs], np.int32)
         if lens.min() < 1 or lens.max() > self.cfg.max_seq_length:
             raise ValueError(f"token counts must be 1..{self.cfg.max_seq_length}")
-        M, B = int(lens.sum()), len(seqs)
+        n, B = int(lens.sum()), len(seqs)
+        M = -(-n // GRAPH_ROWS) * GRAPH_ROWS
+        graphed = bool(self.max_graphs) and B <= GRAPH_TEXTS and M <= self.chunk_tokens
+        M = M if graphed else n
         m = self.meta_host
-        m[:M] = np.concatenate(seqs)
-        m[M:2 * M] = np.repeat(np.arange(B, dtype=np.int32), lens)
-        m[2 * M:2 * M + 2 * B] = np.stack([np.cumsum(lens) - lens, lens], axis=1).reshape(-1)
-        return M, B
+        m[:n] = np.concatenate(seqs)
+        m[n:M] = 0
+        m[M:2 * M] = np.repeat(np.arange(B + 1, dtype=np.int32), np.append(lens, M - n))
+        m[2 * M:2 * M + 2 * B + 2] = np.stack([np.cumsum(lens) - lens, lens], axis=1).reshape(-1).tolist() + [n, M - n]
+        return M, B, graphed
 
-    def _graph(self, M: int) -> Graph:
-        """The captured forward pass of one text of M tokens (least recently used ones are dropped)."""
-        g = self.graphs.pop(M, None)
+    def _graph(self, M: int, B: int) -> Graph:
+        """The captured forward pass of M rows of B texts (least recently used ones are dropped)."""
+        g = self.graphs.pop((M, B), None)
         if g is None:
-            g = Graph(self.stream, lambda: self._enqueue(M, 1))
+            g = Graph(self.stream, lambda: self._enqueue(M, B))
             while len(self.graphs) >= self.max_graphs:
                 self.graphs.popitem(last=False)
-        self.graphs[M] = g
+        self.graphs[M, B] = g
         return g
 
     def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
@@ -388,9 +403,9 @@ class CudaEncoder:
                 cuda.current_context()     # the raw driver calls need the context current in this thread
                 self._threads.add(threading.get_ident())
             for a, b in chunks(seqs, self.chunk_tokens):
-                M, B = self._stage(seqs[a:b])
-                if B == 1 and self.max_graphs:
-                    self._graph(M).replay()
+                M, B, graphed = self._stage(seqs[a:b])
+                if graphed:
+                    self._graph(M, B).replay()
                 else:
                     self._enqueue(M, B)
                 self.stream.synchronize()

@@ -27,8 +27,8 @@ else:  # pragma: no cover - names only used on a real device
     _OK = None
 
 
-# Programmatic dependent launch (P39): model kernels (KERNELS, each starting with pdl_enter)
-# launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
+# Programmatic dependent launch (P39): model kernels (KERNELS, each starting with pdl_enter) and the
+# encoder's launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
 # launches them plainly (for A/B measurements); the bits are the same either way.
 PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
@@ -97,10 +97,12 @@ class Kernel:
     process loads the cubin instead of recompiling; ``cache_hit`` says which happened.
     """
 
-    def __init__(self, name: str, storage: str | None = None, *, dispatcher=None, argtypes=None):
+    def __init__(self, name: str, storage: str | None = None, *, dispatcher=None, argtypes=None, pdl: bool = False):
         """A model kernel by name and storage dtype, or any other kernel (the engine's sampler) by its
-        dispatcher and argument types."""
+        dispatcher and argument types; pdl: it starts with pdl_enter, so it launches with the PDL attribute
+        (as every model kernel does)."""
         self.name = name
+        self.pdl = pdl or name in KERNELS
         self.dispatcher = KERNELS[name] if dispatcher is None else dispatcher
         self.argtypes = signatures(storage)[name] if argtypes is None else tuple(argtypes)
         self.params = tuple(inspect.signature(self.dispatcher.py_func).parameters)   # the kernel's names
@@ -198,7 +200,7 @@ class Launch:
         self._vals = vals
         self._ptrs = (ctypes.c_void_p * len(vals))(*[ctypes.addressof(v) for v in vals])
         self._addr = ctypes.addressof(self._ptrs)
-        pdl = PDL and kernel.name in KERNELS and pdl_capable()
+        pdl = PDL and kernel.pdl and pdl_capable()
         self._config = _pdl_config(self.block, self.shmem, stream) if pdl else None
 
     def launch(self, gx: int, gy: int = 1, gz: int = 1) -> None:
