@@ -193,14 +193,16 @@ class DeviceScorer:
 
 
 class Best:
-    """The two k_best launches that leave the best `top` (at most `most`) of scores[:n] in two small device
-    arrays, `scores` and `ids`: each slice's best, then the best of those."""
+    """The k_best launches that leave the best `top` (at most `most`) of scores[:n] in two small device arrays,
+    `scores` and `ids`: each slice's best, then (over more than one slice) the best of those."""
 
     def __init__(self, scores, n: int, top: Scalar, most: int, no_ids, stream):
         self.blocks, self.top, self.merged = -(-n // SLICE), top, Scalar(ctypes.c_int32)
-        part_scores = cuda.device_array(self.blocks * most, np.float32)
-        part_ids = cuda.device_array(self.blocks * most, np.int32)
         self.scores, self.ids = cuda.device_array(most, np.float32), cuda.device_array(most, np.int32)
+        part_scores, part_ids = self.scores, self.ids     # one slice: its best are the best
+        if self.blocks > 1:
+            part_scores = cuda.device_array(self.blocks * most, np.float32)
+            part_ids = cuda.device_array(self.blocks * most, np.int32)
         k = Kernels.get()
         self.part = Launch(k.best, THREADS, 0, dict(scores=scores, ids=no_ids, n=n, slice_len=SLICE, top=top,
                                                     out_scores=part_scores, out_ids=part_ids), stream)
@@ -211,7 +213,8 @@ class Best:
     def launch(self) -> None:
         self.merged.value = self.blocks * self.top.value
         self.part.launch(self.blocks)
-        self.merge.launch(1)
+        if self.blocks > 1:
+            self.merge.launch(1)
 
 
 class Kernels:
