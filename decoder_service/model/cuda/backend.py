@@ -203,7 +203,7 @@ class CudaBackend:
         # Prompt attention splits contexts at multiples of attn_split positions (fixed per model: a
         # row's arithmetic never depends on the batch); enough for max_position_embeddings.
         limit = -(-cfg.max_position_embeddings // (TP * MAX_SPLITS)) * TP
-        # k_attn_mma's warps take 16-position blocks: a split of MMA_SPLIT positions gives each 4 (P35)
+        # k_attn_mma's warps take 16-position blocks; a shortlist prompt (~550 rows) fits one split of MMA_SPLIT (P96)
         self.attn_split = max(MMA_SPLIT if self.mma_attn else TP, limit) if attn_split is None else int(attn_split)
         if self.attn_split % TP or self.attn_split < TP:
             raise ModelError(f"cuda backend: attn_split={self.attn_split} must be a positive multiple "
