@@ -25,8 +25,8 @@ and Stop, launch by launch (no graph), so that ncu's per-kernel durations add up
 time without the launch gaps a graph replay would still have.
 
 gemm: µs per layer of each matrix for M prompt rows at the SmolLM2 shape, the backend's GEMV row tiles against
-k_gemm's small and big tiles (graphs of the layers' launches, L2 warm as in a real step). k_gemm's correctness
-is tests/test_gemm.py's.
+k_gemm's small tiles, the same on one register set, and its big tiles (graphs of the layers' launches, L2 warm as
+in a real step). k_gemm's correctness is tests/test_gemm.py's.
 """
 from __future__ import annotations
 
@@ -52,7 +52,6 @@ def profile(be, timer, batch: StepBatch) -> dict:
     be.stage(batch)
     be.synchronize()
     out = {}
-    nq = be.cfg.num_heads + be.cfg.num_kv_heads
     attn = be.attn_grids(int(batch.positions.max()) + 1)
     plan = be.row_plan(R)
     for kind in KINDS:
@@ -60,7 +59,7 @@ def profile(be, timer, batch: StepBatch) -> dict:
             for layer in be.layers:
                 if kind == "rope":
                     if plan.rope:
-                        layer["rope"].launch(R, nq)
+                        be.launch_rope(layer, R)
                 elif kind == "attn":
                     be.launch_attention(layer, attn)
                 else:
@@ -251,6 +250,7 @@ def gemm_arguments(p) -> None:
 
 def gemm(args) -> None:
     from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend, RowPlan
+    from decoder_service.model.cuda.kernels import GEMM_KINDS
     from decoder_service.model.kv_pool import KVPoolSpec
     rows = ints(args.rows)
     cfg = shape_config("smollm2-135m")
@@ -261,8 +261,8 @@ def gemm(args) -> None:
     timer = Timer(be)
     print(", ".join(f"{n} {k.attrs.regs} regs/{k.attrs.local} B local" for n, k in be.kernels.items()
                     if n.startswith("k_gemm")))
-    print("| rows | matrix | GEMV tiles (µs/layer) | k_gemm (µs/layer) | big tiles (µs/layer) | GEMV / k_gemm | "
-          "k_gemm / big |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("| rows | matrix | GEMV tiles (µs/layer) | k_gemm (µs/layer) | one register set (µs/layer) | "
+          "big tiles (µs/layer) | GEMV / k_gemm | k_gemm / big |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     n = len(be.layers)
 
     def per_layer_us(key: str, plan: RowPlan) -> float:
@@ -274,6 +274,7 @@ def gemm(args) -> None:
         be.gemm_rows[0].value, be.gemm_rows[1].value = 0, R
         for key in ("qkv", "o", "gate_up", "down"):
             tiles = RowPlan({key: key + "/tile"}, -(-R // TILE_ROWS), 0, "", True)   # every row on the GEMV tiles
-            t, g, big = (per_layer_us(key, plan) for plan in (tiles, RowPlan({}, 0, R, {key: key + "/gemm"}, True),
-                                                               RowPlan({}, 0, R, {key: key + "/gemm_big"}, True)))
-            print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |", flush=True)
+            gemms = [RowPlan({}, 0, R, {key: f"{key}/{kind}"}, True) for kind in GEMM_KINDS]
+            t, g, one, big = (per_layer_us(key, plan) for plan in (tiles, *gemms))
+            print(f"| {R} | {key} | {t:.1f} | {g:.1f} | {one:.1f} | {big:.1f} | {t / g:.2f}× | {g / big:.2f}× |",
+                  flush=True)

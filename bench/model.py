@@ -97,11 +97,10 @@ def time_model(name: str, long: bool = True) -> dict:
     t_flush, _ = tm.graph_ms(flush)
     isz = 2
     kv_row = cfg.kv_size * isz
-    nq = cfg.num_heads + cfg.num_kv_heads
     gemv = lambda key: [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]  # noqa: E731
     kinds = {
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
-        "rope + KV write": ([lambda lz=ly["rope"]: lz.launch(1, nq) for ly in be.layers] if be.row_plan(1).rope else [],
+        "rope + KV write": ([lambda ly=ly: be.launch_rope(ly, 1) for ly in be.layers] if be.row_plan(1).rope else [],
                             4 * 2 * (cfg.q_size + 2 * cfg.kv_size) + 2 * kv_row, False),
         "attention": ([lambda lz=ly["attn_rows"]: lz.launch(1, cfg.num_heads) for ly in be.layers],
                       2 * ctx * kv_row + 8 * cfg.q_size, False),

@@ -20,8 +20,9 @@ from . import compat  # noqa: F401
 from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
                         attn_shared_floats)
 from .intrinsics import MMA, SIM, TQ, WARP
-from .kernels import GEMM_KERNELS, MMA_ATTN_KERNELS
+from .kernels import GEMM_KERNELS, GEMM_KINDS, MMA_ATTN_KERNELS
 from .matmul import GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, TILE_ROWS, gemm_shared
+from .norm_rope import ROPE_ITEMS
 from .device_trie import DeviceTrie
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
@@ -33,8 +34,10 @@ from typing import NamedTuple  # noqa: E402
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 3), np.int32)
-# a step's prompt rows from which each matrix takes k_gemm's big tiles (P85; per matrix, P90; None: never)
+# a step's prompt rows from which each matrix takes k_gemm's big tiles (P85; per matrix, P90; None: never), and
+# below those, its small tiles on one register set (P98)
 GEMM_BIG_FROM = {"qkv": 1024, "o": None, "gate_up": 128, "down": 128}
+GEMM_ONE_FROM = {"qkv": 128, "o": 128, "gate_up": None, "down": None}
 PROMPT_ROWS = 64  # prompt rows of one request whose tile attention the split rule fits in one wave (P63)
 
 
@@ -102,12 +105,20 @@ def compile_step_helpers(block_size: int, num_blocks: int, vocab_size: int, rows
     attention_plan(batch, 2, 0, rows_per_tile, split, most_splits, TP)
 
 
+def gemm_kind(rows: int, big_from: int | None, one_from: int | None) -> str:
+    """A matrix's k_gemm tiles for a step of `rows` prompt rows (GEMM_KINDS): big from big_from rows, else small on
+    one register set from one_from, else small (None: never)."""
+    if big_from is not None and rows >= big_from:
+        return "big"
+    return "one" if one_from is not None and rows >= one_from else "small"
+
+
 class RowPlan(NamedTuple):
     """How a step's rows go through the four matrices of every layer (CudaBackend.row_plan)."""
     gemv: dict     # layer key of each matrix's GEMV launch: the one-row kernel or row tiles
     tiles: int     # GEMV row tiles (the one-row kernel counts as one; 0: no GEMV rows)
     prompt: int    # rows on the tensor cores (k_gemm; 0: none)
-    gemm: dict     # layer key of each matrix's k_gemm launch: small or big tiles
+    gemm: dict     # layer key of each matrix's k_gemm launch: its tiles (GEMM_KINDS)
     rope: bool     # k_rope_kv runs (else RoPE and the KV write ran in the one-row QKV GEMV)
 
 
@@ -162,8 +173,8 @@ class CudaBackend:
         # prompt rows from which each matrix takes k_gemm's big tiles: GEMM_BIG_FROM, or one figure for all
         big_from = GEMM_BIG_FROM if gemm_big_from is None else dict.fromkeys(GEMM_BIG_FROM, int(gemm_big_from))
         # each matrix's k_gemm launch per span of prompt rows between those figures, so a step only looks one up
-        self._gemm_from = sorted({f for f in big_from.values() if f is not None})
-        self._gemm_plans = [{k: k + ("/gemm" if f is None or f > rows else "/gemm_big") for k, f in big_from.items()}
+        self._gemm_from = sorted({f for t in (big_from, GEMM_ONE_FROM) for f in t.values() if f is not None})
+        self._gemm_plans = [{k: f"{k}/{gemm_kind(rows, big_from[k], GEMM_ONE_FROM[k])}" for k in big_from}
                             for rows in [0] + self._gemm_from]
         self._check_memory(weights)
         self.stream = Stream()
@@ -305,6 +316,7 @@ class CudaBackend:
         self._out_host = pin(max(N * V, N * C), np.float32)
         self.table_stride = Scalar(ctypes.c_int32, 1)
         self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step's GEMV row tiles
+        self.rope_rows = Scalar(ctypes.c_int32, 1)     # rows of this step's k_rope_kv
         self.gemm_rows = (Scalar(ctypes.c_int32, 0), Scalar(ctypes.c_int32, 0))   # k_gemm's rows [first, end)
         self.n_logit = Scalar(ctypes.c_int32, 1)       # logit rows of this step (dense head tiles)
         self._R = self._N = 0
@@ -316,8 +328,8 @@ class CudaBackend:
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
                  "k_rope_table", self.tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
-            names += sorted({GEMM_KERNELS[self._gemm_warps(kp), big] for kp in (self.kp_h, self.kp_q, self.kp_i)
-                             for big in (False, True)})
+            names += sorted({GEMM_KERNELS[self._gemm_warps(kp), kind] for kp in (self.kp_h, self.kp_q, self.kp_i)
+                             for kind in GEMM_KINDS})
         self.kernels = {name: Kernel(name, self.storage) for name in names}
         self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
@@ -419,8 +431,8 @@ class CudaBackend:
     def _matrix(self, key: str, name: str, x, x_stride: int, gamma, use_norm: int, W, K: int, kp: int, N: int,
                 bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None) -> dict:
         """A layer's launches of one matrix: `key` (one row), `key/tile` (row tiles) and, for a bf16
-        model, `key/gemm` and `key/gemm_big` (k_gemm over the prompt rows, small and big tiles: launch, blocks
-        along x, rows a block)."""
+        model, `key/small`, `key/one` and `key/big` (k_gemm over the prompt rows, GEMM_KINDS: launch, blocks along
+        x, rows a block)."""
         one, tile = self._gemv_pair(name, x, x_stride, gamma, use_norm, W, K, kp, N, bias, use_bias, out,
                                     out_stride, mode, rope)
         launches = {key: one, key + "/tile": tile}
@@ -430,11 +442,12 @@ class CudaBackend:
                         W=W, Kp=kp, K=K, N=N, bias=bias, use_bias=use_bias, out=out, out_stride=out_stride,
                         mode=mode, first=first, end=end)
             warps = self._gemm_warps(kp)
-            for big, suffix in ((False, "/gemm"), (True, "/gemm_big")):
-                kernel = GEMM_KERNELS[warps, big]
+            for kind in GEMM_KINDS:
+                kernel = GEMM_KERNELS[warps, kind]
                 _, mt, nt = GEMM_TILES[kernel]
-                launches[key + suffix] = (Launch(self.kernels[kernel], warps * MMA, gemm_shared(warps, mt, nt), args,
-                                                 self.stream.handle, name + suffix), -(-N // (8 * nt)), GEMM_ROWS * mt)
+                launches[f"{key}/{kind}"] = (Launch(self.kernels[kernel], warps * MMA, gemm_shared(warps, mt, nt),
+                                                    args, self.stream.handle, f"{name}/{kind}"), -(-N // (8 * nt)),
+                                             GEMM_ROWS * mt)
         return launches
 
     def _build_launches(self) -> None:
@@ -464,10 +477,10 @@ class CudaBackend:
                                  int(cfg.qkv_bias), self.qkv, self.dqkv, 0, rope)
             pool = dict(slots=self.slots, positions=self.positions, bt=self.block_tables, mb=self.table_stride,
                         kc=self.kv_k, vc=self.kv_v, layer_off=kvo, bs=self.spec.block_size, nkv=nkv, hd=hd)
-            layer["rope"] = Launch(k["k_rope_kv"], self.t_rope, 0,
+            layer["rope"] = Launch(k["k_rope_kv"], self.t_rope * ROPE_ITEMS, 0,
                                    dict(pool, qkv=self.qkv, qkv_stride=self.dqkv, nh=nh, cs=self.rope_cs, qn=self.n_q,
                                         kn=self.n_k, gofs=l * hd if cfg.qk_norm else 0, use_qkn=int(cfg.qk_norm),
-                                        eps=eps), st, f"rope_kv[{l}]")
+                                        eps=eps, R=self.rope_rows), st, f"rope_kv[{l}]")
             attention = dict(pool, qkv=self.qkv, qkv_stride=self.dqkv, group=nh // nkv, scale=1.0 / math.sqrt(hd),
                              out=self.att, out_stride=kq, part=self.attn_part, counters=self.attn_count)
             layer["attn_rows"] = Launch(k["k_attn_rows"], self.t_attn, (hd + 9 * self.t_attn) * 4,
@@ -554,14 +567,13 @@ class CudaBackend:
         `decode_rows` of the staged batch are decode rows), its matrices as row_plan(R) says.
         max_ctx bounds every row's position + 1 (default: the last staged batch's); a graph captured
         for a bound serves every batch within it."""
-        nq = self.cfg.num_heads + self.cfg.num_kv_heads
         attn = self.attn_grids(self._max_ctx if max_ctx is None else max_ctx)
         plan = self.row_plan(R)
         self.l_embed.launch(R)
         for layer in self.layers:
             self.launch_matrix(layer, "qkv", plan)
             if plan.rope:
-                layer["rope"].launch(R, nq)
+                self.launch_rope(layer, R)
             self.launch_attention(layer, attn)
             for key in ("o", "gate_up", "down"):
                 self.launch_matrix(layer, key, plan)
@@ -574,7 +586,7 @@ class CudaBackend:
     def row_plan(self, R: int) -> RowPlan:
         """Which kernels compute the matrices for the staged step of R rows (and the row scalars they
         read, set here). Prompt rows of a bf16 model (rows decode_rows .. R-1) go to k_gemm (each matrix on
-        its small or big tiles by the step's prompt rows: gemm_big_from, the same bits either way); the other
+        its tiles by the step's prompt rows: gemm_kind, the same bits whichever); the other
         rows to the GEMVs: a lone row to the one-row kernels (RoPE and the KV write in the QKV GEMV's
         epilogue where the model has no q/k norm), more rows to tiles of TILE_ROWS rows. Either GEMV
         gives a row the same bits (launch_tiles); which kernel takes a row is its kind's, never the
@@ -586,6 +598,11 @@ class CudaBackend:
         self.gemm_rows[0].value, self.gemm_rows[1].value = D, R
         gemm = self._gemm_plans[bisect_right(self._gemm_from, R - D)]
         return RowPlan(self._ROW_TILES, -(-D // TILE_ROWS), R - D, gemm, True)
+
+    def launch_rope(self, layer: dict, R: int) -> None:
+        """A layer's k_rope_kv over the staged step's R rows."""
+        self.rope_rows.value = R
+        layer["rope"].launch(-(-R * (self.cfg.num_heads + self.cfg.num_kv_heads) // ROPE_ITEMS))
 
     def launch_matrix(self, layer: dict, key: str, plan: RowPlan) -> None:
         """One matrix of a layer for a step's rows: GEMV tiles (or the one-row GEMV), then k_gemm."""

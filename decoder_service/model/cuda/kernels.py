@@ -9,8 +9,12 @@ from .matmul import GEMM_MAX_WARPS, GEMM_WARPS
 
 FAMILIES = (head, norm_rope, matmul, attention)
 KERNELS = {name: getattr(family, name) for family in FAMILIES for name in family.SIGNATURES}
-GEMM_KERNELS = {(GEMM_WARPS, False): "k_gemm", (GEMM_MAX_WARPS, False): "k_gemm_wide",   # the prompt GEMM by its
-                (GEMM_WARPS, True): "k_gemm_big", (GEMM_MAX_WARPS, True): "k_gemm_wide_big"}   # warps, big tiles
+# the prompt GEMM by its warps and tiles: small (two register sets), small on one set (the wide kernel has no such
+# twin: it keeps its two), big
+GEMM_KERNELS = {(GEMM_WARPS, "small"): "k_gemm", (GEMM_WARPS, "one"): "k_gemm_one",
+                (GEMM_WARPS, "big"): "k_gemm_big", (GEMM_MAX_WARPS, "small"): "k_gemm_wide",
+                (GEMM_MAX_WARPS, "one"): "k_gemm_wide", (GEMM_MAX_WARPS, "big"): "k_gemm_wide_big"}
+GEMM_KINDS = ("small", "one", "big")
 MMA_ATTN_KERNELS = dict(zip(MMA_HDS, ("k_attn_mma", "k_attn_mma_wide")))   # prompt attention by head_dim bound
 
 

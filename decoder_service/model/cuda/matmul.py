@@ -610,6 +610,14 @@ def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, 
 
 
 @cuda.jit(cache=True)
+def k_gemm_one(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
+    """k_gemm on one register set, no loads ahead (the same bits): for prompts of 128 rows or more, where more
+    resident blocks beat the loads in flight (P98; as k_gemm_big's P93)."""
+    gemm_block(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end,
+               GEMM_WARPS, 1, 4, False)
+
+
+@cuda.jit(cache=True)
 def k_gemm_wide(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first,
                 end):
     """k_gemm with GEMM_MAX_WARPS warps a block: each takes every GEMM_MAX_WARPS-th chunk, half as many
@@ -636,7 +644,7 @@ def k_gemm_wide_big(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bi
                GEMM_MAX_WARPS, 2, 4, True)
 
 
-GEMM_TILES = {"k_gemm": (GEMM_WARPS, 1, 4), "k_gemm_wide": (GEMM_MAX_WARPS, 1, 4),
-              "k_gemm_big": (GEMM_WARPS, 2, 8), "k_gemm_wide_big": (GEMM_MAX_WARPS, 2, 4)}   # (warps, mt, nt)
+GEMM_TILES = {"k_gemm": (GEMM_WARPS, 1, 4), "k_gemm_one": (GEMM_WARPS, 1, 4), "k_gemm_big": (GEMM_WARPS, 2, 8),
+              "k_gemm_wide": (GEMM_MAX_WARPS, 1, 4), "k_gemm_wide_big": (GEMM_MAX_WARPS, 2, 4)}   # (warps, mt, nt)
 SIGNATURES.update(dict.fromkeys(GEMM_TILES, _gemm))
 

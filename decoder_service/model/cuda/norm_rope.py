@@ -31,18 +31,28 @@ def k_rope_table(inv_freq, half, n, cs):
 SIGNATURES["k_rope_table"] = lambda t: (t.f64, t.i32, t.i32, t.f32)
 
 
+ROPE_ITEMS = 4   # k_rope_kv: (row, head) items a block, a group of threads each: blocks of one warp were too small
+
+
 @cuda.jit(cache=True)
 def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, nh, nkv, hd,
-              cs, qn, kn, gofs, use_qkn, eps):
-    """Per (row, head): optional per-head RMSNorm (Qwen3), RoPE (rotate_half pairs (i, i + hd/2),
-    rotations from k_rope_table's cs), q written back in place, k and v written to the paged pool.
-    Grid (R, nh+nkv)."""
+              cs, qn, kn, gofs, use_qkn, eps, R):
+    """Per (row, head) of R rows: optional per-head RMSNorm (Qwen3), RoPE (rotate_half pairs (i, i + hd/2),
+    rotations from k_rope_table's cs), q written back in place, k and v written to the paged pool. A block
+    takes ROPE_ITEMS consecutive items (row-major over the nh + nkv heads), blockDim / ROPE_ITEMS threads
+    each, whose norm sums the same tree whatever the block holds. Grid ceil(R (nh + nkv) / ROPE_ITEMS)."""
     pdl_enter()
     red = cuda.shared.array(32, nb_f32)
-    r = cuda.blockIdx.x
-    hh = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    T = cuda.blockDim.x
+    T = cuda.blockDim.x // ROPE_ITEMS
+    tid = cuda.threadIdx.x % T
+    g = cuda.threadIdx.x // T
+    nq = nh + nkv
+    item = cuda.blockIdx.x * ROPE_ITEMS + g
+    valid = item < R * nq
+    if not valid:
+        item = 0
+    r = item // nq
+    hh = item - r * nq
     half = hd // 2
     pos = positions[r]
     rowb = np.int64(r) * qkv_stride
@@ -53,13 +63,16 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
     else:
         src = rowb + nh * hd + kvh * hd
     inv = np.float32(1.0)
-    if use_qkn != 0:
+    if use_qkn != 0:     # every group of the block sums (its barriers are the block's)
         ss = np.float32(0.0)
         for i in range(tid, hd, T):
             v = qkv[src + i]
             ss += v * v
-        ss = block_sum(ss, red, tid, T // WARP)
+        nw = T // WARP
+        ss = block_sum(ss, red[g * nw:], tid, nw)
         inv = np.float32(1.0) / math.sqrt(ss / np.float32(hd) + eps)
+    if not valid:
+        return
     kb = np.int64(-1)
     if not is_q:
         kb = kv_base(bt, mb, slots[r], pos, bs, layer_off, np.int64(nkv) * hd, kvh, hd)
@@ -86,7 +99,7 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
             stf(vc, kb + i, qkv[vsrc + i])
 
 SIGNATURES["k_rope_kv"] = lambda t: (t.f32, t.i32, t.ai, t.ai, t.ai, t.i32, t.W, t.W, t.i64, t.i32, t.i32, t.i32,
-                                     t.i32, t.f32, t.f32, t.f32, t.i32, t.i32, t.f)
+                                     t.i32, t.f32, t.f32, t.f32, t.i32, t.i32, t.f, t.i32)
 
 
 @cuda.jit(cache=True)
