@@ -380,7 +380,7 @@ def test_cuda_encoder_on_real_weights():
 
 def _gpu_case() -> dict:
     from decoder_service.encoder import load_encoder
-    from decoder_service.encoder.cuda import GRAPH_ROWS, CudaEncoder, stored_weights
+    from decoder_service.encoder.cuda import CudaEncoder, stored_weights
     from decoder_service.encoder.reference import ReferenceEncoder
     from decoder_service.encoder.weights import load_weights
 

@@ -1,12 +1,14 @@
-"""Check the encoder against the float64 reference, then time it: one query, 64 queries, a tool catalog.
+"""Check the encoder against the float64 reference, then time it: one query, a request's parts, 64 queries, a tool
+catalog.
 
     python -m decoder_service.encoder.bench --backend cuda --model models/all-MiniLM-L6-v2 \
         --texts ../shared/data/bigcatalog/catalog.json --queries ../shared/data/bigcatalog/dev_queries.jsonl
 
 The check runs first (fresh random token sequences of 2..max_seq_length tokens, against the reference
 on the weights as the backend stores them; each vector alone against its batch, bit for bit); the
-timings are host wall clock around encode(), tokenization included, medians after a warm-up. A short
-table is printed last.
+timings are host wall clock around encode(), tokenization included, medians after a warm-up; a request's parts
+(the intent and its clauses, as retrieval encodes them: retrieval.intent_parts) are timed without tokenization,
+per query of the first 150, split by one part or several (P94). A short table is printed last.
 """
 from __future__ import annotations
 
@@ -37,6 +39,22 @@ def median_s(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return float(np.median(times))
+
+
+def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, float, str]]:
+    """Median seconds to embed a request's parts, over the queries with one part and with several."""
+    from decoder_service.retrieval import intent_parts
+    requests = [enc.token_ids(intent_parts(q)) for q in queries]
+    for r in requests:
+        enc.backend.embed(r)
+    times = {True: [], False: []}
+    for _ in range(repeat):
+        for r in requests:
+            t = time.perf_counter()
+            enc.backend.embed(r)
+            times[len(r) == 1].append(time.perf_counter() - t)
+    return [(f"a request, {what} ({len(times[one]) // repeat})", float(np.median(times[one])), "parts, no tokenizing")
+            for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
 
 
 def check(enc, model_dir: Path, n: int, seed: int) -> dict:
@@ -79,6 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     enc.encode(one)
     n_one = len(enc.token_ids(one)[0])
     rows.append((f"1 query ({n_one} tokens)", median_s(lambda: enc.encode(one), args.repeat), ""))
+    rows += parts_rows(enc, queries[:150])
     batch = queries[:64]
     enc.encode(batch)
     rows.append((f"{len(batch)} queries", median_s(lambda: enc.encode(batch), max(3, args.repeat // 5)), ""))
