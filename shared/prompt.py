@@ -8,6 +8,7 @@ with `request_ids`, so a tuned model sees exactly the tokens it is served.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,13 +50,21 @@ class PromptTemplate:
         "<|im_end|>" typed by a user cannot end the turn). Each part is tokenized alone, so a description cannot
         reach the template's placeholders and a version tokenizes each tool's line once; a byte-level BPE
         splits the whole text at those seams anyway (tests/test_prompt.py: the same tokens)."""
-        head, tools, rest = self.suffix.replace("{k}", str(k)).rpartition("{tools}")   # ("", "", all) without
-        middle, tail = rest.split("{intent}", 1)
-        newline = tokenizer.encode("\n")
-        ids = tokenizer.encode(head)
-        for i, line in enumerate(lines if tools else []):
+        head, middle, tail, newline, listed = template_ids(self, tokenizer, k)
+        ids = list(head)
+        for i, line in enumerate(lines if listed else []):
             ids += newline + line if i else line
-        return ids + tokenizer.encode(middle) + tokenizer.encode_plain(intent) + tokenizer.encode(tail)
+        return ids + middle + tokenizer.encode_plain(intent) + tail
+
+
+@functools.lru_cache(maxsize=256)
+def template_ids(template: PromptTemplate, tokenizer, k: int) -> tuple:
+    """The tokens of a template's fixed pieces for k: (before {tools}, between {tools} and {intent}, after
+    {intent}, a newline, whether it lists tools); taken once, not on every request. Callers copy, never extend."""
+    head, tools, rest = template.suffix.replace("{k}", str(k)).rpartition("{tools}")   # ("", "", all) without
+    middle, tail = rest.split("{intent}", 1)
+    return (tokenizer.encode(head), tokenizer.encode(middle), tokenizer.encode(tail), tokenizer.encode("\n"),
+            bool(tools))
 
 
 def chat_format(model_dir: Path) -> tuple[str, str, str]:
