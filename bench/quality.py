@@ -14,6 +14,7 @@ bench/results/quality_<device>.json. --sample N takes every m-th query so that N
 """
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -30,7 +31,7 @@ from decoder_service.model.backend import device_name, make_backend, resolve_bac
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, bm25_index,
+from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, Shortlist, bm25_index,
                                         computed_vectors, intent_parts, top_n)
 from shared import dataset
 from shared.catalog import parse_registry
@@ -94,7 +95,7 @@ class Harness:
         return out
 
     def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0,
-            keep_answers: bool = False) -> dict:
+            keep_answers: bool = False, sizes: tuple[int, ...] = (SHORTLIST,)) -> dict:
         queries = sample(dataset.queries(name, split), n)
         held = frozenset(q.text for q in queries) if split != "validation" else frozenset()  # never its own example
         new = dataset.held_out([t["name"] for t in json.loads(dataset.catalog_path(name).read_text())], hold_out)
@@ -116,28 +117,35 @@ class Harness:
             lists["dense"].append([names[i] for i in top_n(dense.astype(np.float32), k)])
             votes = retriever.votes(parts, np.ones(len(names), bool))
             lists["requests"].append([names[i] for i in top_n(votes.astype(np.float32), k)])
-            s = retriever.shortlist(q.text, max(SHORTLIST, k))
+            s = retriever.shortlist(q.text, max(*sizes, k))
             shortlists.append(s)
             lists["fused"].append([names[i] for i in s.ids[:k]])
-            lists["shortlist"].append([names[i] for i in s.ids])
-        for w in weights:
+            for size in sizes:
+                lists[shortlist_label(size, sizes)].append([names[i] for i in s.ids[:max(size, k)]])
+        prompt_tokens = {}
+        for w, size in itertools.product(weights, sizes):
             engine = self.engine(w)
             rt = engine.load_catalog(trie, retriever)
             engine.run_until_idle()
-            answers, wave = [], engine.config.max_waiting    # the engine's queue bound: submit in waves
+            cut = [Shortlist(s.ids[:max(size, len(q.tools))], s.scores[:max(size, len(q.tools))], s.seconds)
+                   for q, s in zip(queries, shortlists)]
+            answers, tokens, wave = [], [], engine.config.max_waiting    # the queue's bound: submit in waves
             for start in range(0, len(queries), wave):
                 seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s)
-                        for q, s in zip(queries[start:start + wave], shortlists[start:start + wave])]
+                        for q, s in zip(queries[start:start + wave], cut[start:start + wave])]
+                tokens += [len(seq.prompt_ids) for seq in seqs]
                 engine.run_until_idle()
                 answers += self.answers(seqs)
-            lists[f"tooltrie w={rt.fusion_weight:g}"] = answers
+            method = f"tooltrie w={rt.fusion_weight:g}" + ("" if len(sizes) == 1 else f" N={size}")
+            lists[method] = answers
+            prompt_tokens[method] = round(float(np.mean(tokens)), 1)
         rows = {}
         for method, answers in lists.items():
             by_k = defaultdict(list)
             for a, q in zip(answers, queries):
                 for g in groups(q, new):
                     by_k[g].append((a, q))
-            if method == "shortlist":  # the ceiling: gold within the shortlist (recall only)
+            if method.startswith("shortlist"):  # the ceiling: gold within the shortlist (recall only)
                 rows[method] = {"all": score(answers, queries)["recall"]}
                 continue
             rows[method] = {"all": score(answers, queries),
@@ -147,11 +155,17 @@ class Harness:
             for g in groups(q, new):
                 counts[g] += 1
         out = {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
-               "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "rows": rows}
+               "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "prompt_tokens": prompt_tokens,
+               "rows": rows}
         if keep_answers:   # each query's gold, shortlist and every method's answer, to read the misses
             out["answers"] = [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
                               for i, q in enumerate(queries)]
         return out
+
+
+def shortlist_label(size: int, sizes: tuple[int, ...]) -> str:
+    """The ceiling's method name: "shortlist", or with several sizes measured, "shortlist N=size"."""
+    return "shortlist" if len(sizes) == 1 else f"shortlist N={size}"
 
 
 def table(results: list[dict]) -> str:
@@ -160,8 +174,9 @@ def table(results: list[dict]) -> str:
     for r in results:
         label = dataset.SETS[r["set"]]
         for method, row in r["rows"].items():
-            if method == "shortlist":
-                lines.append(f"| {label} | {r['queries']} | gold in the shortlist (top {SHORTLIST}) | all | "
+            if method.startswith("shortlist"):
+                size = method.partition("N=")[2] or SHORTLIST
+                lines.append(f"| {label} | {r['queries']} | gold in the shortlist (top {size}) | all | "
                              f"{row['all']:.3f} | - |")
                 continue
             for group, m in row.items():
@@ -186,6 +201,8 @@ def quality_arguments(p) -> None:
                    "bench/results/quality_<device>[_<split>][_new_tools].json)")
     p.add_argument("--answers", type=Path, default=None, help="also write each query's gold tools, shortlist and "
                    "answers (JSON lines) to this file")
+    p.add_argument("--shortlists", default=str(SHORTLIST), help="tools in the prompt, comma-separated sizes "
+                   "(training or selection split only: the service's size is chosen there)")
     p.add_argument("--dense-weight", type=float, default=DENSE_WEIGHT,
                    help="the retrievers' fusion (training split only)")
     p.add_argument("--vote-weight", type=float, default=VOTE_WEIGHT,
@@ -195,12 +212,15 @@ def quality_arguments(p) -> None:
 def quality(args) -> None:
     weights = ([] if args.weights == "none" else [float(w) for w in args.weights.split(",")] if args.weights
                else [None])
+    sizes = tuple(int(x) for x in args.shortlists.split(","))
+    if sizes != (SHORTLIST,) and args.split == "validation":
+        raise SystemExit("--shortlists: sizes are chosen on the training or selection split, never validation")
     harness = Harness(args.model, args.encoder, args.backend, args.dense_weight, args.vote_weight)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
     results = []
     for name in args.sets.split(","):
-        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers)))
+        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers), sizes))
         print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
     device = device_label(harness.kind)
     suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
@@ -212,6 +232,6 @@ def quality(args) -> None:
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
                                "vote_weight": args.vote_weight,
-                               "shortlist": SHORTLIST, "weights": ["service" if w is None else w for w in weights],
+                               "shortlist": list(sizes), "weights": ["service" if w is None else w for w in weights],
                                "hold_out_tools": args.hold_out_tools, "results": results}, indent=1) + "\n")
     print(table(results))

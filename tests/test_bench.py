@@ -24,12 +24,19 @@ def test_no_command_is_the_headline_run_and_every_command_has_its_arguments_and_
     assert parse_args([]).command == "serve"
     args = parse_args(["quality", "--sample", "5", "--weights", "none"])
     assert args.command == "quality" and args.sample == 5 and args.weights == "none"
+    assert parse_args(["quality", "--split", "selection", "--shortlists", "8,20"]).shortlists == "8,20"
     assert parse_args(["step", "--rows", "1,58"]).rows == "1,58"
     for command in COMMANDS:
         add_arguments, run = handler(command)
         assert callable(add_arguments) and callable(run), command
     with pytest.raises(SystemExit):
         parse_args(["step", "--no-such-option"])
+
+
+def test_quality_chooses_shortlist_sizes_only_off_the_validation_split():
+    """A user comparing prompt sizes is stopped before any model loads: sizes are chosen where nothing is judged."""
+    with pytest.raises(SystemExit, match="never validation"):
+        handler("quality")[1](parse_args(["quality", "--shortlists", "8,20"]))
 
 
 def test_bench_edits_no_import_path_and_imports_nothing_from_tests():
