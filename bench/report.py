@@ -59,7 +59,8 @@ def markdown(res: dict) -> str:
         lines += ["## Retrieval (the first stage alone, concurrency 1)", "",
                   f"{r['tools']:,} tools: compiled in {r['compile_s']:.1f} s, "
                   f"tool vectors in {r['tool_vectors_s']:.1f} s; "
-                  f"a shortlist of 20 (encode the intent, BM25, fused top 20): p50 {r['shortlist']['p50_ms']:.3f} ms, "
+                  f"a shortlist of {r.get('size', 20)} (encode the intent, BM25, fused top {r.get('size', 20)}): "
+                  f"p50 {r['shortlist']['p50_ms']:.3f} ms, "
                   f"p90 {r['shortlist']['p90_ms']:.3f} ms, of which encoding the intent p50 "
                   f"{r['encode_intent']['p50_ms']:.3f} ms.", ""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",

@@ -10,7 +10,7 @@ random weights) it measures, in this order:
   floor         bytes of weights per decode step / device-to-device copy bandwidth measured now
   step          one decode step at batch 1/16/64/256, constrained (k_mask, sparse head, k_select)
                 and unconstrained (dense head), each a captured graph (GPU only)
-  retrieval     the first stage alone (encode the intent, BM25, fused top 20) over MetaTool's queries on a
+  retrieval     the first stage alone (encode the intent, BM25, fused top N) over MetaTool's queries on a
                 catalog of --retrieval-tools tools (100,000), and the time to compute its tool vectors
   workloads     MetaTool (199 tools, 469 queries) and Seal-Tools (4,076 tools, global-memory trie):
                 tool vectors and prefix warm-up; per-query wall clock (retrieval, shortlist prompt, decode)
@@ -97,9 +97,9 @@ def retriever_for(trie, encoder) -> tuple[Retriever, float]:
     return Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder), time.perf_counter() - started
 
 
-def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
+def retrieval_table(tok, encoder, queries, n_tools: int, size: int = SHORTLIST) -> dict:
     """The first stage alone on a catalog of n_tools tools: its tool vectors' time, then each query's
-    shortlist (encode, BM25, fused top 20) at concurrency 1."""
+    shortlist of `size` (encode, BM25, fused top size) at concurrency 1."""
     from compiler_service.compiler import compile_catalog
     from shared.catalog import catalog_from_entries
     started = time.perf_counter()
@@ -107,14 +107,14 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
     compile_s = time.perf_counter() - started
     retriever, vectors_s = retriever_for(trie, encoder)
     for q in queries[:5]:
-        retriever.shortlist(q.intent, SHORTLIST)
-    times = [retriever.shortlist(q.intent, SHORTLIST).seconds for q in queries]
+        retriever.shortlist(q.intent, size)
+    times = [retriever.shortlist(q.intent, size).seconds for q in queries]
     encode = []
     for q in queries:
         t = time.perf_counter()
         encoder.encode([q.intent])
         encode.append(time.perf_counter() - t)
-    out = {"tools": n_tools, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
+    out = {"tools": n_tools, "size": size, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
            "shortlist": percentiles(times), "encode_intent": percentiles(encode)}
     log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, "
         f"shortlist p50 {out['shortlist']['p50_ms']:.3f} ms "
@@ -122,9 +122,9 @@ def retrieval_table(tok, encoder, queries, n_tools: int) -> dict:
     return out
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float) -> dict:
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int = SHORTLIST) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                          EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries),
+                          EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries), shortlist=shortlist,
                                        fusion_weight=Settings().fusion_weight))
     driver = EngineDriver(engine)
     try:
@@ -144,6 +144,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float)
             "concurrency_1": {**percentiles([r["wall_s"] for r in solo]),
                               "ttfp": percentiles([r["ttfp_s"] for r in solo]),
                               "tokens_per_answer": round(float(np.mean([r["tokens"] for r in solo])), 2),
+                              "prompt_tokens": round(float(np.mean([r["prompt_tokens"] for r in solo])), 1),
                               **{f"{name}_{part}": round(float(stat([r[part] for r in solo])), 3)
                                  for name, stat in (("mean", np.mean), ("max", np.max))
                                  for part in ("retrieval_ms", "submit_ms", "queue_ms", "prefill_ms", "decode_ms")}},
@@ -280,6 +281,8 @@ def serve_arguments(p) -> None:
     p.add_argument("--peer-rows", type=int, default=32)
     p.add_argument("--retrieval-tools", type=int, default=100_000, help="catalog size of the retrieval table (0: none)")
     p.add_argument("--no-peer", action="store_true")
+    p.add_argument("--shortlist", type=int, default=SHORTLIST, help="tools in each prompt (the service's default; "
+                   "another size to time it against)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes and workloads of an earlier run's JSON (a shape or a workload "
@@ -323,7 +326,8 @@ def _serve(args) -> None:
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
     encoder = load_encoder(Settings().encoder_dir, "cuda" if gpu else "cpu")
     if args.retrieval_tools:
-        res["retrieval"] = retrieval_table(tok, encoder, next(iter(workloads.values()))[1], args.retrieval_tools)
+        res["retrieval"] = retrieval_table(tok, encoder, next(iter(workloads.values()))[1], args.retrieval_tools,
+                                           args.shortlist)
     for si, shape in enumerate(args.shapes.split(",")):
         cfg, weights, what = model_for(shape, gpu)
         entry = {"args": run_args, "started": res["started"], "weights": what, "weight_bytes": weights.nbytes(),
@@ -343,7 +347,7 @@ def _serve(args) -> None:
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
-            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det)
+            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, args.shortlist)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours,
                                         "run": {"started": res["started"], "args": run_args}}

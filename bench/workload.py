@@ -1,6 +1,6 @@
 """The benchmark's workloads and how tooltrie serves them: queries, catalogs, and the engine driver.
 
-Both under the product's prompt (each request lists its retrieved shortlist of 20 tools, then the intent).
+Both under the product's prompt (each request lists its retrieved shortlist, then the intent).
 MetaTool: the 199-tool catalog and 469 dev queries: the first 279 with k=1 and all 190 with k=2, in file
 order. Seal-Tools: 4,076 tools, a trie too big for constant memory (the global-memory path); the first 469
 dev queries. `large_catalog(n)`: n tools made of the three data sets' tools (names suffixed past the
@@ -100,7 +100,8 @@ class EngineDriver:
                 raise RuntimeError(f"request failed: {ev.message}")
             elif isinstance(ev, DoneEvent):
                 return {"wall_s": time.perf_counter() - t0, "ttfp_s": ttfp, "names": names,
-                        "logprobs": logprobs, "tokens": ev.generated_tokens, "queue_ms": ev.queue_ms,
+                        "logprobs": logprobs, "tokens": ev.generated_tokens, "prompt_tokens": ev.prompt_tokens,
+                        "queue_ms": ev.queue_ms,
                         "prefill_ms": ev.prefill_ms, "decode_ms": ev.decode_ms}
 
     def one_by_one(self, rt, queries):

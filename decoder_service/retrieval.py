@@ -24,7 +24,7 @@ from shared.bm25 import Bm25Index
 from shared.trie import Trie, read_blob_metadata
 
 DENSE_WEIGHT = 0.6
-SHORTLIST = 20
+SHORTLIST = 12    # docs/quality.md: chosen on the selection split
 MAX_PARTS = 8    # the intent and at most 7 of its clauses
 VOTE_WEIGHT = 1.0         # what the nearest requests' whole vote adds to a tool's fused score
 NEIGHBOURS = 10           # the requests nearest the intent that vote

@@ -20,7 +20,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_MODEL_DIR": (str(DEFAULT_MODEL_DIR), "Hugging Face-layout model directory"),
     "TOOLTRIE_ENCODER_DIR": (str(DEFAULT_ENCODER_DIR), "the dense retriever's sentence encoder (BERT family, "
                              "Hugging Face layout); empty: BM25 alone"),
-    "TOOLTRIE_SHORTLIST": ("20", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
+    "TOOLTRIE_SHORTLIST": ("12", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
     "TOOLTRIE_FUSION_WEIGHT": ("1", "decoder: logits one retrieval rank is worth in the answer's order "
                                "(0: the generator alone; large: retrieval's order; docs/quality.md)"),
     "TOOLTRIE_FUSION_WEIGHT_UNSEEN": ("1000", "decoder: the same for a catalog the model was not tuned on (under "
