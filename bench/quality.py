@@ -31,7 +31,7 @@ from decoder_service.model.backend import device_name, make_backend, resolve_bac
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, Shortlist, bm25_index,
+from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, bm25_index,
                                         computed_vectors, intent_parts, top_n)
 from shared import dataset
 from shared.catalog import parse_registry
@@ -121,14 +121,13 @@ class Harness:
             shortlists.append(s)
             lists["fused"].append([names[i] for i in s.ids[:k]])
             for size in sizes:
-                lists[shortlist_label(size, sizes)].append([names[i] for i in s.ids[:max(size, k)]])
+                lists[sized("shortlist", size, sizes)].append([names[i] for i in s.ids[:max(size, k)]])
         prompt_tokens = {}
         for w, size in itertools.product(weights, sizes):
             engine = self.engine(w)
             rt = engine.load_catalog(trie, retriever)
             engine.run_until_idle()
-            cut = [Shortlist(s.ids[:max(size, len(q.tools))], s.scores[:max(size, len(q.tools))], s.seconds)
-                   for q, s in zip(queries, shortlists)]
+            cut = [s.head(max(size, len(q.tools))) for q, s in zip(queries, shortlists)]
             answers, tokens, wave = [], [], engine.config.max_waiting    # the queue's bound: submit in waves
             for start in range(0, len(queries), wave):
                 seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s)
@@ -136,7 +135,7 @@ class Harness:
                 tokens += [len(seq.prompt_ids) for seq in seqs]
                 engine.run_until_idle()
                 answers += self.answers(seqs)
-            method = f"tooltrie w={rt.fusion_weight:g}" + ("" if len(sizes) == 1 else f" N={size}")
+            method = sized(f"tooltrie w={rt.fusion_weight:g}", size, sizes)
             lists[method] = answers
             prompt_tokens[method] = round(float(np.mean(tokens)), 1)
         rows = {}
@@ -155,17 +154,18 @@ class Harness:
             for g in groups(q, new):
                 counts[g] += 1
         out = {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
-               "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "prompt_tokens": prompt_tokens,
-               "rows": rows}
+               "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "shortlists": list(sizes),
+               "prompt_tokens": prompt_tokens, "rows": rows}
         if keep_answers:   # each query's gold, shortlist and every method's answer, to read the misses
             out["answers"] = [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
                               for i, q in enumerate(queries)]
         return out
 
 
-def shortlist_label(size: int, sizes: tuple[int, ...]) -> str:
-    """The ceiling's method name: "shortlist", or with several sizes measured, "shortlist N=size"."""
-    return "shortlist" if len(sizes) == 1 else f"shortlist N={size}"
+def sized(method: str, size: int, sizes: tuple[int, ...]) -> str:
+    """A method's name at one shortlist size: the name alone where one size is measured, "<name> N=<size>" where
+    several are."""
+    return method if len(sizes) == 1 else f"{method} N={size}"
 
 
 def table(results: list[dict]) -> str:
@@ -175,7 +175,7 @@ def table(results: list[dict]) -> str:
         label = dataset.SETS[r["set"]]
         for method, row in r["rows"].items():
             if method.startswith("shortlist"):
-                size = method.partition("N=")[2] or SHORTLIST
+                size = method.partition("N=")[2] or r["shortlists"][0]
                 lines.append(f"| {label} | {r['queries']} | gold in the shortlist (top {size}) | all | "
                              f"{row['all']:.3f} | - |")
                 continue

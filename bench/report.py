@@ -56,10 +56,11 @@ def markdown(res: dict) -> str:
                   for shape, e in steps if "device_memory_used_gib" in e] + [""]
     r = res.get("retrieval")
     if r:
+        size = r.get("size", 20)   # runs recorded before the size was are of 20
         lines += ["## Retrieval (the first stage alone, concurrency 1)", "",
                   f"{r['tools']:,} tools: compiled in {r['compile_s']:.1f} s, "
                   f"tool vectors in {r['tool_vectors_s']:.1f} s; "
-                  f"a shortlist of {r.get('size', 20)} (encode the intent, BM25, fused top {r.get('size', 20)}): "
+                  f"a shortlist of {size} (encode the intent, BM25, fused top {size}): "
                   f"p50 {r['shortlist']['p50_ms']:.3f} ms, "
                   f"p90 {r['shortlist']['p90_ms']:.3f} ms, of which encoding the intent p50 "
                   f"{r['encode_intent']['p50_ms']:.3f} ms.", ""]

@@ -97,7 +97,7 @@ def retriever_for(trie, encoder) -> tuple[Retriever, float]:
     return Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder), time.perf_counter() - started
 
 
-def retrieval_table(tok, encoder, queries, n_tools: int, size: int = SHORTLIST) -> dict:
+def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
     """The first stage alone on a catalog of n_tools tools: its tool vectors' time, then each query's
     shortlist of `size` (encode, BM25, fused top size) at concurrency 1."""
     from compiler_service.compiler import compile_catalog
@@ -122,7 +122,7 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int = SHORTLIST) 
     return out
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int = SHORTLIST) -> dict:
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                           EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries), shortlist=shortlist,
                                        fusion_weight=Settings().fusion_weight))

@@ -49,6 +49,10 @@ class Shortlist:
     scores: np.ndarray   # float32 fused retrieval scores, in the same order
     seconds: float       # time to retrieve
 
+    def head(self, n: int) -> "Shortlist":
+        """The best n of this shortlist (a shorter prompt's, from the same retrieval)."""
+        return Shortlist(self.ids[:n], self.scores[:n], self.seconds)
+
 
 def tool_texts(trie: Trie) -> list[str]:
     """What the encoder reads of each tool, by pointer id: its name and its description."""

@@ -53,18 +53,22 @@ class PromptTemplate:
         head, middle, tail, newline, listed = template_ids(self, tokenizer, k)
         ids = list(head)
         for i, line in enumerate(lines if listed else []):
-            ids += newline + line if i else line
-        return ids + middle + tokenizer.encode_plain(intent) + tail
+            if i:
+                ids += newline
+            ids += line
+        ids += middle
+        ids += tokenizer.encode_plain(intent)
+        ids += tail
+        return ids
 
 
 @functools.lru_cache(maxsize=256)
 def template_ids(template: PromptTemplate, tokenizer, k: int) -> tuple:
-    """The tokens of a template's fixed pieces for k: (before {tools}, between {tools} and {intent}, after
-    {intent}, a newline, whether it lists tools); taken once, not on every request. Callers copy, never extend."""
+    """The tokens of a template's fixed pieces for k, as tuples: (before {tools}, between {tools} and {intent},
+    after {intent}, a newline, whether it lists tools); taken once, not on every request."""
     head, tools, rest = template.suffix.replace("{k}", str(k)).rpartition("{tools}")   # ("", "", all) without
     middle, tail = rest.split("{intent}", 1)
-    return (tokenizer.encode(head), tokenizer.encode(middle), tokenizer.encode(tail), tokenizer.encode("\n"),
-            bool(tools))
+    return (*(tuple(tokenizer.encode(text)) for text in (head, middle, tail, "\n")), bool(tools))
 
 
 def chat_format(model_dir: Path) -> tuple[str, str, str]:

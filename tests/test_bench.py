@@ -39,6 +39,20 @@ def test_quality_chooses_shortlist_sizes_only_off_the_validation_split():
         handler("quality")[1](parse_args(["quality", "--shortlists", "8,20"]))
 
 
+def test_quality_table_names_each_ceiling_by_its_shortlist_size():
+    """The ceiling row says which shortlist it is of: the one size measured (not the service's default), or each."""
+    from bench.quality import sized, table
+    one = {"set": "metatool", "queries": 3, "by_k": {"1": 3}, "shortlists": [8],
+           "rows": {"shortlist": {"all": 0.9}, "tooltrie w=1": {"all": {"recall": 0.5, "exact": 0.5}}}}
+    assert "gold in the shortlist (top 8) | all | 0.900" in table([one])
+    sizes = (8, 20)
+    several = {**one, "shortlists": list(sizes),
+               "rows": {sized("shortlist", n, sizes): {"all": n / 100} for n in sizes}}
+    text = table([several])
+    assert "(top 8) | all | 0.080" in text and "(top 20) | all | 0.200" in text
+    assert sized("tooltrie w=1", 12, (12,)) == "tooltrie w=1" and sized("fused", 8, sizes) == "fused N=8"
+
+
 def test_bench_edits_no_import_path_and_imports_nothing_from_tests():
     test_modules = {p.stem for p in Path(__file__).parent.glob("*.py")} | {"tests"}
     for path in sorted((RESULTS.parent).glob("*.py")):
