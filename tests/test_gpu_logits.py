@@ -21,10 +21,8 @@ from sim_runner import run_script
 pytestmark = pytest.mark.gpu
 PREFIX = 4955   # MetaTool's catalog prefix with SmolLM2's tokenizer
 CASES = [("prefill", 71, PREFIX), ("prefill", 96, 20), ("prefill", 3, PREFIX + 100), ("decode", 3, PREFIX)]
-# P96 (3a64b55: prompt attention split at 1,024 positions) is expected to move the first, third and fourth cases'
-# bits; to be checked and recorded again on the next device run (docs/performance.md#recorded-fingerprints)
-RECORDED = {   # P83's hashes (93f7e60, recorded on an H100 at a4e9601); the first case's equal to the H200's before it
-    "smollm2-135m": ["c8c42c9a937800e4", "995016ef63bc0ff5", "82c2099716c038d9", "875e1236c4c6a7e6"],
+RECORDED = {   # recorded on an H100 at c8f141d, after P96 moved SmolLM2's first, third and fourth cases
+    "smollm2-135m": ["59b072a1e81601d9", "995016ef63bc0ff5", "4c6f27dbf6fb6e11", "c62dd6d2d986cbc7"],
     "qwen3-1.7b": ["bbd4c6e14b36414d", "6cc4e1b21ba51230", "a5380bb720ac3074", "081e0ad5c4bd9d9a"],
 }
 DEVICE = ((9, 0), 132)   # compute capability, SMs
