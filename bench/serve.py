@@ -122,10 +122,28 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
     return out
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int) -> dict:
+def engine_settings(pairs: list[str]) -> dict:
+    """EngineConfig settings from --engine's NAME=V pairs, each V read as its setting's type (a bool as 0 or 1)."""
+    defaults = EngineConfig()
+    out = {}
+    for pair in pairs:
+        name, _, value = pair.partition("=")
+        kind = type(getattr(defaults, name, None))
+        if not hasattr(defaults, name) or kind not in (bool, int, float, str):
+            raise SystemExit(f"--engine {pair}: EngineConfig has no setting {name!r} of a plain type")
+        try:
+            out[name] = {"0": False, "1": True}[value] if kind is bool else kind(value)
+        except (KeyError, ValueError):
+            raise SystemExit(f"--engine {pair}: {value!r} is not a {kind.__name__}"
+                             f"{' (0 or 1)' if kind is bool else ''}") from None
+    return out
+
+
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int,
+                 settings: dict) -> dict:
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                          EngineConfig(max_seqs=MAX_SEQS, max_waiting=4 * len(queries), shortlist=shortlist,
-                                       fusion_weight=Settings().fusion_weight))
+                          EngineConfig(**{"max_seqs": MAX_SEQS, "max_waiting": 4 * len(queries), "shortlist": shortlist,
+                                          "fusion_weight": Settings().fusion_weight, **settings}))
     driver = EngineDriver(engine)
     try:
         retriever, vectors_s = retriever_for(trie, encoder)
@@ -289,6 +307,8 @@ def serve_arguments(p) -> None:
                         "per command where a command's time is limited)")
     p.add_argument("--option", action="append", default=[], metavar="NAME=V",
                    help="build the GPU backend with CudaBackend option NAME=V (e.g. attn_tile_from=0); repeatable")
+    p.add_argument("--engine", action="append", default=[], metavar="NAME=V",
+                   help="run the engine with EngineConfig setting NAME=V (e.g. forced_runs=0); repeatable")
     p.add_argument("--count-graphs", action="store_true",
                    help="count the decode graphs forward() captured against their distinct keys (GPU)")
 
@@ -323,6 +343,7 @@ def _serve(args) -> None:
         log("the peer needs torch and xgrammar (pip install '.[bench]'): skipped")
     rows_list = [int(r) for r in args.rows.split(",")]
     options = {name: int(v) for name, v in (o.split("=", 1) for o in args.option)}
+    settings = engine_settings(args.engine)
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
     encoder = load_encoder(Settings().encoder_dir, "cuda" if gpu else "cpu")
     if args.retrieval_tools:
@@ -347,7 +368,8 @@ def _serve(args) -> None:
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
-            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, args.shortlist)
+            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, args.shortlist,
+                                               settings)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours,
                                         "run": {"started": res["started"], "args": run_args}}

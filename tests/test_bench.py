@@ -39,6 +39,15 @@ def test_quality_chooses_shortlist_sizes_only_off_the_validation_split():
         handler("quality")[1](parse_args(["quality", "--shortlists", "8,20"]))
 
 
+def test_serve_runs_the_engine_with_the_settings_asked_for_and_refuses_others():
+    from bench.serve import engine_settings
+    args = parse_args(["--engine", "forced_runs=0", "--engine", "max_seqs=8", "--engine", "fusion_weight=0.5"])
+    assert engine_settings(args.engine) == {"forced_runs": False, "max_seqs": 8, "fusion_weight": 0.5}
+    for bad in ("no_such=1", "forced_runs=yes", "max_seqs=eight", "fusion_weight_unseen=1"):
+        with pytest.raises(SystemExit, match="--engine"):
+            engine_settings([bad])
+
+
 def test_quality_table_names_each_ceiling_by_its_shortlist_size():
     """The ceiling row says which shortlist it is of: the one size measured (not the service's default), or each."""
     from bench.quality import sized, table

@@ -145,15 +145,18 @@ def bits(event):
     return (event.prompt_tokens, event.generated_tokens) if isinstance(event, DoneEvent) else event
 
 
-def test_forced_last_names_finish_without_their_steps(backend, tok, catalog):
-    """finish_forced: once an answer's last name is the only one left below its node, its remaining
-    tokens are taken without a step each, and every name, token id, score and token count is the one
-    the engine computes step by step (alone, in a batch, with an allowlist narrowing the choice)."""
+def test_forced_tokens_are_taken_without_their_steps(backend, tok, catalog, monkeypatch):
+    """finish_forced: once an answer's last name is the only one left below its node, its remaining tokens are
+    taken at the pick. forced_runs: before a step is planned, every token the request's shortlist leaves one
+    candidate for is taken, and the step feeds the run as rows of one step. Either way every name, token id,
+    score and token count is the one the engine computes a token a step (alone, in a batch, with an allowlist
+    narrowing the choice), in fewer steps."""
     trie, forced = catalog.trie, catalog.last_pointer_edge
     for node in range(trie.num_nodes):  # forced exactly where one pointer is below, and it leads to its stop
         edges = range(trie.node_edge_start[node], trie.node_edge_start[node + 1])
         below = {p for e in edges for p in range(trie.edge_lo[e], trie.edge_hi[e])}
         assert (forced[node] >= 0) == (len(below) == 1)
+        assert below == set(range(catalog.node_span[0][node], catalog.node_span[1][node]))
         walk = node
         while walk >= 0 and forced[walk] >= 0:
             walk = trie.edge_child[forced[walk]]
@@ -161,22 +164,26 @@ def test_forced_last_names_finish_without_their_steps(backend, tok, catalog):
     assert (forced >= 0).any()
     requests = [(intent, 1 + i % 3, None) for i, intent in enumerate(INTENTS[:6])]
     requests.append((INTENTS[6], 2, catalog.trie.pointer_names[5:9]))
-    results, forced_tokens = {}, {}
-    for on in (True, False):
-        eng = make_engine(backend, tok, NUM_BLOCKS, finish_forced=on)  # engines run one at a time
+    steps = []
+    monkeypatch.setattr(backend, "forward", lambda batch, _f=backend.forward: steps.append(1) or _f(batch))
+    results, forced_tokens, forwards = {}, {}, {}
+    for levers in ((True, True), (True, False), (False, False)):
+        eng = make_engine(backend, tok, NUM_BLOCKS, finish_forced=levers[0], forced_runs=levers[1])  # one at a time
         rt = eng.load_catalog(catalog.trie)
         eng.run_until_idle()
+        steps.clear()
         alone = []
         for intent, k, allow in requests[:3]:
             alone.append(eng.submit(rt, intent, k, allow=allow))
             eng.run_until_idle()
         batch = [eng.submit(rt, intent, k, allow=allow) for intent, k, allow in requests[3:]]
         eng.run_until_idle()
-        results[on] = [[bits(event) for event in seq] for seq in alone + batch]
-        forced_tokens[on] = eng.tokens_forced
-    assert all(isinstance(e, PointerEvent) for r in results[True] for e in r[:-1])
-    assert results[True] == results[False]
-    assert forced_tokens[True] > 0 and forced_tokens[False] == 0
+        results[levers] = [[bits(event) for event in seq] for seq in alone + batch]
+        forced_tokens[levers], forwards[levers] = eng.tokens_forced, len(steps)
+    assert all(isinstance(e, PointerEvent) for r in results[True, True] for e in r[:-1])
+    assert results[True, True] == results[True, False] == results[False, False]
+    assert forced_tokens[True, True] > forced_tokens[True, False] > 0 == forced_tokens[False, False]
+    assert forwards[True, True] < forwards[True, False] < forwards[False, False]
 
 
 def test_cancel_and_deadline_free_every_block(engine, catalog):

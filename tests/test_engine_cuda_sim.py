@@ -10,8 +10,8 @@ Checks: the same requests (their answers' order fused with the shortlist's retri
 sampler's names, with log-probabilities equal to float64 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
 one read from the global arena), served together and one at a time. Either way the engine launches
 steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
-them; never with the host sampler) and takes a last name's forced tokens without steps, and one at a
-time its answers equal, to the bit, those of an engine with step_ahead and finish_forced off, and a
+them; never with the host sampler) and takes forced tokens without steps of their own, and one at a
+time its answers equal, to the bit, those of an engine with step_ahead, finish_forced and forced_runs off, and a
 step launched ahead of an answer that completes at the read is dropped without being read, its forward
 pass skipped on the device by the sampler's done flags (exactly those steps: counted under the
 simulator). A stale constant-memory binding fails the requests loudly (INTERNAL), never with a plausible
@@ -42,7 +42,7 @@ def check(result: dict) -> None:
     # stand-in backend counts them; on the GPU a wrong skip shows as answers that differ)
     assert result["forwards_skipped"] in (None, result["steps_dropped"]), result
     assert all(result["tokens_forced"][:3]) and result["tokens_forced"][3] == 0, result["tokens_forced"]
-    assert result["levers_are_exact"]  # same names, same log-probabilities to the bit, with both settings off
+    assert result["levers_are_exact"]  # same names, same log-probabilities to the bit, with the three settings off
     assert result["resident_rows"] > 0 and result["arena_rows"] > 0
     assert result["stale"] and all("stale or corrupted trie" in m or "empty mask" in m for m in result["stale"])
 
@@ -192,7 +192,7 @@ def main() -> None:
     got = serve(device)
     alone = serve(cs.DeviceSampler(backend, HostSampler(backend)), one_at_a_time=True)
     in_turn = serve(cs.DeviceSampler(backend, HostSampler(backend), finish_forced=False), one_at_a_time=True,
-                    step_ahead=False, finish_forced=False)
+                    step_ahead=False, finish_forced=False, forced_runs=False)
     differences = [f"{e} vs {g}" for e, g in [*zip(expected, got), *zip(expected, alone)]
                    if isinstance(e, str) or isinstance(g, str) or [n for n, _ in e] != [n for n, _ in g]
                    or not np.allclose([s for _, s in e], [s for _, s in g], rtol=1e-9, atol=1e-12)]

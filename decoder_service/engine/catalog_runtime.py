@@ -95,6 +95,15 @@ class CatalogRuntime:
         return ends
 
     @cached_property
+    def node_span(self) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi), int32 [nodes]: the pointers below each node, one range (pointers are numbered depth first);
+        the sampler's forced_edge counts a request's live pointers in it."""
+        t = self.trie
+        starts = t.node_edge_start[:-1]
+        return (np.minimum.reduceat(t.edge_lo, starts).astype(np.int32),
+                np.maximum.reduceat(t.edge_hi, starts).astype(np.int32))
+
+    @cached_property
     def last_pointer_edge(self) -> np.ndarray:
         """int32 [nodes]: at a node whose subtree holds one pointer, the one edge a row on its last
         pointer can take (its name's next token, or stop at its end: the separator is not legal there),

@@ -20,7 +20,7 @@ import numpy as np
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.fusion import catalog_weight, rank_prior
-from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick
+from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick, forced_edge
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
@@ -65,6 +65,7 @@ class EngineConfig:
     head: str = "sparse"           # "sparse": logits of legal candidates only; "dense": all, then mask
     step_ahead: bool = True        # enqueue the next step before reading the picks, where it can be (below)
     finish_forced: bool = True     # end an answer once its last name is the only one left below its node
+    forced_runs: bool = True       # feed the tokens a request's shortlist forces in one step, not a step each
     shortlist: int = SHORTLIST     # tools retrieved into a request's prompt (the answer is k of them)
     max_shortlist: int = 256       # the most a request may ask for
     fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
@@ -102,7 +103,7 @@ class DecodeEngine:
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
         self.steps_dropped = 0                # of those, how many were dropped unread (every row had ended)
-        self.tokens_forced = 0                # answer tokens taken without a step (finish_forced)
+        self.tokens_forced = 0                # answer tokens taken without a step of their own (forced)
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
@@ -255,6 +256,8 @@ class DecodeEngine:
             launched = None      # its rows all ended at the read before: its picks are never needed
             self.steps_dropped += 1
         if launched is None:
+            if self.config.forced_runs:
+                self._take_forced_runs()
             chunks = self.scheduler.plan()
             if not chunks:
                 return False
@@ -277,6 +280,10 @@ class DecodeEngine:
                     continue
                 if seq.warmup:
                     warmups.append(seq)
+                    continue
+            else:
+                seq.fed += len(toks)
+                if seq.fed < len(seq.generated):
                     continue
             sampling.append(seq)
             rows.append(i)
@@ -313,6 +320,8 @@ class DecodeEngine:
                           block_tables=prev.block_tables, logit_rows=rows, decode_rows=n)
         self.backend.forward(batch, device_tokens=self.sampler.next_tokens(launched.picks),
                              skip_if_done=self.sampler.done_flags(launched.picks))
+        for seq in launched.sampling:
+            seq.fed += 1   # the pick the host has not read yet
         return Launched(batch, launched.sampling, self.sampler.follow(launched.picks), [])
 
     def _read(self, launched: Launched) -> None:
@@ -336,7 +345,7 @@ class DecodeEngine:
         for i, (prefix, own) in enumerate(parts):
             tables[i, :len(prefix)] = prefix
             tables[i, len(prefix):len(prefix) + len(own)] = own
-        decodes = sum(seq.state == State.DECODE for seq, _, _ in chunks)   # planned first
+        decodes = sum(len(toks) for seq, toks, _ in chunks if seq.state == State.DECODE)   # planned first
         return StepBatch.from_chunks([(i, toks, start) for i, (_, toks, start) in enumerate(chunks)], tables,
                                      decodes)
 
@@ -403,6 +412,23 @@ class DecodeEngine:
         seq.pointer_tokens, seq.pointer_logprob, seq.node = [], 0.0, 0
         if child == STOP:
             self._complete(seq)
+
+    def _take_forced_runs(self) -> None:
+        """Before a step is planned (none is in flight): each decoding request takes the tokens its answer forces
+        from its node on (one allowed name left below it, then that name's separator or stop; `forced_edge`),
+        so that the step feeds them as decode rows of one step instead of a step each. Each row computes what it
+        would alone, and a forced token has log-probability 0 whatever the logits, so every answer is the one
+        computed a token a step; a name streams as soon as it is forced."""
+        for seq in list(self.scheduler.running):
+            rt = seq.catalog
+            t = rt.trie
+            while seq.state == State.DECODE:
+                edge = forced_edge(seq.node, *rt.node_span, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi,
+                                   seq.emitted, seq.n_emitted, seq.k, seq.allow, seq.allow_all)
+                if edge < 0:
+                    break
+                self.tokens_forced += 1
+                self._advance(seq, Pick(edge, int(t.edge_token[edge]), 0.0))
 
     def _take_forced(self, seq: Sequence) -> None:
         """On the last pointer, at a node with one pointer below, every token to the stop is forced: the

@@ -46,6 +46,26 @@ def legal_edges(node, edge_start, edge_child, edge_lo, edge_hi, emitted, n_emitt
 
 
 @njit(cache=True)
+def forced_edge(node, node_lo, node_hi, edge_start, edge_child, edge_lo, edge_hi, emitted, n_emitted, k, allow,
+                allow_all):
+    """The node's one legal edge where a single allowed, not yet emitted pointer is left below it (its next token,
+    or its separator or stop), else -1: the sampler's only candidate, which wins with log-probability 0 whatever
+    the logits."""
+    lo, hi = node_lo[node], node_hi[node]
+    live = hi - lo if allow_all else np.searchsorted(allow, hi) - np.searchsorted(allow, lo)
+    for i in range(n_emitted):
+        if lo <= emitted[i] < hi:
+            live -= 1
+    if live != 1:
+        return -1
+    for e in range(edge_start[node], edge_start[node + 1]):
+        if _control_legal(edge_child[e], n_emitted, k) and _available(edge_lo[e], edge_hi[e], emitted, n_emitted,
+                                                                     allow, allow_all):
+            return e
+    return -1
+
+
+@njit(cache=True)
 def edge_prior(lo, hi, emitted, n_emitted, allow, prior):
     """The highest prior of the allowed, not yet emitted pointers in [lo, hi): what choosing the edge is
     worth to retrieval (-inf when none is left, which a legal edge never is)."""
@@ -153,4 +173,4 @@ class HostSampler:
         return picks
 
 
-__all__ = ["HostSampler", "Pick", "edge_prior", "edge_priors", "legal_edges", "select", "SEP", "STOP"]
+__all__ = ["HostSampler", "Pick", "edge_prior", "edge_priors", "forced_edge", "legal_edges", "select", "SEP", "STOP"]

@@ -1,9 +1,10 @@
 """Continuous batching: admit requests while KV blocks and slots last, then build each step's rows.
 
 Admission reserves a sequence's worst case (prompt + k pointers at the trie's deepest) up front, so
-a sequence never runs out of cache mid-answer. A step's rows are every decoding sequence's next token
-first, then prefill chunks (at most `chunk_size` tokens each, `max_step_tokens` in all), so a long
-prompt is spread over several steps and never stalls the decoding requests.
+a sequence never runs out of cache mid-answer. A step's rows are every decoding sequence's next tokens
+first (one, or the run its answer forces), then prefill chunks (at most `chunk_size` tokens each,
+`max_step_tokens` in all), so a long prompt is spread over several steps and never stalls the decoding
+requests.
 """
 from __future__ import annotations
 
@@ -73,12 +74,14 @@ class Scheduler:
         return _NO_BLOCKS if seq.warmup else seq.catalog.shared_blocks
 
     def plan(self) -> list[tuple[Sequence, list[int], int]]:
-        """This step's chunks: (sequence, tokens, first position), decodes first, then prefill."""
+        """This step's chunks: (sequence, tokens, first position), decodes first (each its generated tokens not
+        yet fed: one, or a forced run), then prefill."""
         chunks, budget = [], self.max_step_tokens
         for seq in self.running:
-            if seq.state == State.DECODE:
-                chunks.append((seq, [seq.generated[-1]], len(seq.prompt_ids) + len(seq.generated) - 1))
-                budget -= 1
+            if seq.state == State.DECODE and budget > 0 and seq.fed < len(seq.generated):
+                toks = seq.generated[seq.fed:seq.fed + budget]
+                chunks.append((seq, toks, len(seq.prompt_ids) + seq.fed))
+                budget -= len(toks)
         for seq in self.running:
             if seq.state == State.PREFILL and budget > 0:
                 n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)

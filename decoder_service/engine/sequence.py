@@ -68,6 +68,7 @@ class Sequence:
     emitted: np.ndarray = None       # pointer ids emitted so far (k slots)
     n_emitted: int = 0
     generated: list[int] = field(default_factory=list)
+    fed: int = 0                     # generated tokens whose KV is in the pool or in a step launched
     pointer_tokens: list[int] = field(default_factory=list)
     pointer_logprob: float = 0.0
     cancelled: bool = False

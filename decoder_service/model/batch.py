@@ -36,8 +36,8 @@ class StepBatch:
                     block_tables: np.ndarray, decode_rows: int = 0) -> "StepBatch":
         """Rows for `chunks` of (slot, tokens, first position); each chunk's last row gets logits.
 
-        A decode step is a chunk of one token; a prefill is a chunk of the prompt (or a piece of it).
-        The first `decode_rows` chunks are decode steps.
+        A decode chunk is a sequence's generated tokens not yet fed (one, or a forced run); a prefill chunk is
+        the prompt or a piece of it. The first `decode_rows` rows are the decode chunks'.
         """
         tokens, slots, positions, logit_rows = [], [], [], []
         for slot, toks, start in chunks:
