@@ -297,12 +297,15 @@ class DecodeEngine:
         request could be admitted instead), every row is still live, and some row cannot stop at this
         step (a step behind rows that all end is device time the next request waits for). A row whose pick
         enters a forced last name (finish_forced) ends too; refusing for those cost more than the step
-        it saves (P58, P60)."""
+        it saves (P58, P60). Nor where a row's next token is forced (its last pick read left one candidate,
+        as inside a name its shortlist leaves alone): the step after is planned, so that it feeds the row's
+        whole forced run (forced_runs) instead of one token."""
         return (self.config.step_ahead and self.sampler.next_tokens(launched.picks) is not None and not self._inbox
                 and not (self.scheduler.waiting and self.scheduler.free_slots)
                 and len(launched.sampling) == len(self.scheduler.running)
                 and all(seq.state != State.FINISHED for seq in launched.sampling)
-                and not all(seq.may_stop() for seq in launched.sampling))
+                and not all(seq.may_stop() for seq in launched.sampling)
+                and not (self.config.forced_runs and any(self._forced_edge(seq) >= 0 for seq in launched.sampling)))
 
     def _launch_ahead(self, launched: Launched) -> Launched:
         """The next step of `launched`'s rows, enqueued before its picks are read: one decode row each at
@@ -420,15 +423,19 @@ class DecodeEngine:
         would alone, and a forced token has log-probability 0 whatever the logits, so every answer is the one
         computed a token a step; a name streams as soon as it is forced."""
         for seq in list(self.scheduler.running):
-            rt = seq.catalog
-            t = rt.trie
             while seq.state == State.DECODE:
-                edge = forced_edge(seq.node, *rt.node_span, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi,
-                                   seq.emitted, seq.n_emitted, seq.k, seq.allow, seq.allow_all)
+                edge = self._forced_edge(seq)
                 if edge < 0:
                     break
                 self.tokens_forced += 1
-                self._advance(seq, Pick(edge, int(t.edge_token[edge]), 0.0))
+                self._advance(seq, Pick(edge, int(seq.catalog.trie.edge_token[edge]), 0.0))
+
+    @staticmethod
+    def _forced_edge(seq: Sequence) -> int:
+        """The one edge the request leaves at the row's node (sampler.forced_edge), or -1."""
+        rt, t = seq.catalog, seq.catalog.trie
+        return forced_edge(seq.node, *rt.node_span, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, seq.emitted,
+                           seq.n_emitted, seq.k, seq.allow, seq.allow_all)
 
     def _take_forced(self, seq: Sequence) -> None:
         """On the last pointer, at a node with one pointer below, every token to the stop is forced: the
