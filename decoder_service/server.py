@@ -36,8 +36,8 @@ STEPS_AHEAD = Gauge("tooltrie_decoder_steps_ahead", "Steps launched before the p
                     "since start")
 STEPS_DROPPED = Gauge("tooltrie_decoder_steps_dropped", "Steps launched ahead of rows that all ended at the "
                       "read before, dropped unread, since start")
-TOKENS_FORCED = Gauge("tooltrie_decoder_tokens_forced", "Answer tokens taken without a step (the last name's "
-                      "forced tokens to the stop), since start")
+TOKENS_FORCED = Gauge("tooltrie_decoder_tokens_forced", "Answer tokens taken without a step of their own (each the "
+                      "only candidate its request leaves), since start")
 FIRST_POINTER = Histogram("tooltrie_time_to_first_pointer_seconds", "From request to its first tool name")
 STEP_SECONDS = Histogram("tooltrie_decode_step_seconds", "One engine step (forward pass and sampler)")
 REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code", ["code"])
