@@ -167,8 +167,9 @@ def test_forced_tokens_are_taken_without_their_steps(backend, tok, catalog, monk
     steps = []
     monkeypatch.setattr(backend, "forward", lambda batch, _f=backend.forward: steps.append(1) or _f(batch))
     results, forced_tokens, forwards = {}, {}, {}
-    for levers in ((True, True), (True, False), (False, False)):
-        eng = make_engine(backend, tok, NUM_BLOCKS, finish_forced=levers[0], forced_runs=levers[1])  # one at a time
+    for levers in ((True, True), (True, False), (False, False), (True, True, 3)):   # 3: rows a step, runs cut
+        eng = make_engine(backend, tok, NUM_BLOCKS, finish_forced=levers[0], forced_runs=levers[1],
+                          max_step_tokens=levers[2] if len(levers) > 2 else 2048)      # engines run one at a time
         rt = eng.load_catalog(catalog.trie)
         eng.run_until_idle()
         steps.clear()
@@ -181,7 +182,7 @@ def test_forced_tokens_are_taken_without_their_steps(backend, tok, catalog, monk
         results[levers] = [[bits(event) for event in seq] for seq in alone + batch]
         forced_tokens[levers], forwards[levers] = eng.tokens_forced, len(steps)
     assert all(isinstance(e, PointerEvent) for r in results[True, True] for e in r[:-1])
-    assert results[True, True] == results[True, False] == results[False, False]
+    assert results[True, True] == results[True, False] == results[False, False] == results[True, True, 3]
     assert forced_tokens[True, True] > forced_tokens[True, False] > 0 == forced_tokens[False, False]
     assert forwards[True, True] < forwards[True, False] < forwards[False, False]
 
