@@ -2,9 +2,9 @@
 
 One engine owns one model backend, its KV pool and the device: `step()` is one continuous-batching step
 (admit, one ragged forward pass, the trie-masked pick, advance), run by `start()`'s thread; `submit`,
-`cancel`, `load_catalog` and `make_resident` may be called from any thread. A step's parts, the step ahead
-and the forced tails: docs/architecture.md ("The path of a request"); their figures: docs/performance.md
-(P54, P57, P71).
+`cancel`, `load_catalog` and `make_resident` may be called from any thread. A step's parts, the step ahead,
+the forced tails and runs: docs/architecture.md ("The path of a request"); their figures: docs/performance.md
+(P54, P57, P71, P102).
 """
 from __future__ import annotations
 
