@@ -128,8 +128,8 @@ def engine_settings(pairs: list[str]) -> dict:
     out = {}
     for pair in pairs:
         name, _, value = pair.partition("=")
-        kind = type(getattr(defaults, name, None))
-        if not hasattr(defaults, name) or kind not in (bool, int, float, str):
+        kind = type(getattr(defaults, name, None))      # NoneType for no setting, or one without a plain default
+        if kind not in (bool, int, float, str):
             raise SystemExit(f"--engine {pair}: EngineConfig has no setting {name!r} of a plain type")
         try:
             out[name] = {"0": False, "1": True}[value] if kind is bool else kind(value)
@@ -139,10 +139,10 @@ def engine_settings(pairs: list[str]) -> dict:
     return out
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, shortlist: int,
-                 settings: dict) -> dict:
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, settings: dict) -> dict:
+    """tooltrie's side of a workload, its engine run with `settings` (EngineConfig fields) over the bench's own."""
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
-                          EngineConfig(**{"max_seqs": MAX_SEQS, "max_waiting": 4 * len(queries), "shortlist": shortlist,
+                          EngineConfig(**{"max_seqs": MAX_SEQS, "max_waiting": 4 * len(queries),
                                           "fusion_weight": Settings().fusion_weight, **settings}))
     driver = EngineDriver(engine)
     try:
@@ -343,7 +343,7 @@ def _serve(args) -> None:
         log("the peer needs torch and xgrammar (pip install '.[bench]'): skipped")
     rows_list = [int(r) for r in args.rows.split(",")]
     options = {name: int(v) for name, v in (o.split("=", 1) for o in args.option)}
-    settings = engine_settings(args.engine)
+    settings = {"shortlist": args.shortlist, **engine_settings(args.engine)}
     workloads = {name: load_workload(name, tok, args.queries) for name in args.workloads.split(",")}
     encoder = load_encoder(Settings().encoder_dir, "cuda" if gpu else "cpu")
     if args.retrieval_tools:
@@ -368,8 +368,7 @@ def _serve(args) -> None:
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
-            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, args.shortlist,
-                                               settings)
+            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, settings)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours,
                                         "run": {"started": res["started"], "args": run_args}}

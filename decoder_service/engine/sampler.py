@@ -20,8 +20,8 @@ _control_legal = njit(cache=True)(control_edge_legal)   # the exactly-k rule (sh
 
 
 @njit(cache=True)
-def _available(lo, hi, emitted, n_emitted, allow, allow_all):
-    """Does [lo, hi) still hold a pointer that is allowed and not yet emitted?"""
+def _live(lo, hi, emitted, n_emitted, allow, allow_all):
+    """How many pointers in [lo, hi) are allowed and not yet emitted."""
     if allow_all:
         count = hi - lo
     else:
@@ -29,7 +29,13 @@ def _available(lo, hi, emitted, n_emitted, allow, allow_all):
     for i in range(n_emitted):
         if lo <= emitted[i] < hi:
             count -= 1  # emitted pointers were allowed, so each one was counted above
-    return count > 0
+    return count
+
+
+@njit(cache=True)
+def _available(lo, hi, emitted, n_emitted, allow, allow_all):
+    """Does [lo, hi) still hold a pointer that is allowed and not yet emitted?"""
+    return _live(lo, hi, emitted, n_emitted, allow, allow_all) > 0
 
 
 @njit(cache=True)
@@ -51,12 +57,7 @@ def forced_edge(node, node_lo, node_hi, edge_start, edge_child, edge_lo, edge_hi
     """The node's one legal edge where a single allowed, not yet emitted pointer is left below it (its next token,
     or its separator or stop), else -1: the sampler's only candidate, which wins with log-probability 0 whatever
     the logits."""
-    lo, hi = node_lo[node], node_hi[node]
-    live = hi - lo if allow_all else np.searchsorted(allow, hi) - np.searchsorted(allow, lo)
-    for i in range(n_emitted):
-        if lo <= emitted[i] < hi:
-            live -= 1
-    if live != 1:
+    if _live(node_lo[node], node_hi[node], emitted, n_emitted, allow, allow_all) != 1:
         return -1
     for e in range(edge_start[node], edge_start[node + 1]):
         if _control_legal(edge_child[e], n_emitted, k) and _available(edge_lo[e], edge_hi[e], emitted, n_emitted,
