@@ -14,6 +14,8 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 import zipfile
 from pathlib import Path
 
@@ -266,6 +268,45 @@ def test_encoder_api(tiny, tmp_path):
     assert load_encoder(copy, "cpu").digest != enc.digest
 
 
+# --- Turns: the CUDA encoder's chunks taken first come, first served ------------------------------
+
+def _queued(turns, fn, waiting: int) -> threading.Thread:
+    """fn on a new thread, once it holds a ticket (`waiting` tickets handed out)."""
+    t = threading.Thread(target=fn)
+    t.start()
+    deadline = time.monotonic() + 10
+    while turns._next < waiting and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return t
+
+
+def test_turns_go_in_the_order_asked_for_whatever_the_callers_do():
+    from decoder_service.encoder.turns import Turns
+    turns, order = Turns(), []
+
+    def job(i):
+        with turns:
+            order.append(i)
+    with turns:                                  # a long job's chunk; four requests queue behind it
+        threads = [_queued(turns, lambda i=i: job(i), i + 2) for i in range(4)]
+    for t in threads:
+        t.join(10)
+    assert order == [0, 1, 2, 3]
+    with pytest.raises(ValueError):              # a chunk that fails passes the turn on
+        with turns:
+            raise ValueError("bad tokens")
+
+    def quit_waiting(*a, **kw):                  # a caller whose wait ends in an exception gives its ticket up
+        raise RuntimeError("interrupted")
+    with turns:
+        wait, turns._cond.wait = turns._cond.wait, quit_waiting
+        _queued(turns, lambda: pytest.raises(RuntimeError, turns.__enter__), turns._next + 1).join(10)
+        turns._cond.wait = wait
+        after = _queued(turns, lambda: job("after"), turns._next + 1)
+    after.join(10)
+    assert order[-1] == "after" and not after.is_alive()
+
+
 # --- CUDA kernels under numba's simulator (a subprocess) -------------------------------------------
 
 def _run_child(mode: str, timeout: int = 600) -> dict:
@@ -287,6 +328,35 @@ def test_cuda_kernels_under_simulator():
     assert r["alone_equals_batch"], "a text's vector changed with its batch (graph replay alone)"
     assert r["tile_equals_seg"], "k_gemm_tile in two chunks and k_gemm_seg in one gave different bits"
     assert r["graph_replayed"], r
+    # a query arriving while a catalog's vectors are encoded waits for the chunk under way, not the whole job
+    assert r["long_job_chunks"] == 12 and r["chunks_before_query"] <= 2, r
+    assert r["query_alone_bits"], "the query's vector changed when it ran between a long job's chunks"
+
+
+def _between_chunks(cfg, w, seqs) -> dict:
+    """A long job (12 chunks of one text) on one thread and a one-text query on another: how many of the job's
+    chunks ran before the query's vector came back."""
+    import threading
+
+    from decoder_service.encoder.cuda import CudaEncoder
+    enc = CudaEncoder(cfg, w, chunk_tokens=cfg.max_seq_length, graphs=0)
+    query = enc.embed([seqs[2]])
+    started, chunks = threading.Event(), []
+    enqueue = enc._enqueue
+
+    def counted(*a):
+        enqueue(*a)
+        chunks.append(1)
+        started.set()
+    enc._enqueue = counted
+    long_job = threading.Thread(target=enc.embed, args=([np.resize(seqs[1], cfg.max_seq_length)] * 12,))
+    long_job.start()
+    started.wait()
+    mid = enc.embed([seqs[2]])
+    before = len(chunks) - 1           # the query's own chunk is the last counted when it returns
+    long_job.join()
+    return dict(long_job_chunks=len(chunks) - 1, chunks_before_query=before,
+                query_alone_bits=bool(np.array_equal(mid, query)))
 
 
 def _sim_case() -> dict:
@@ -320,7 +390,7 @@ def _sim_case() -> dict:
                 alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
                                         and np.array_equal(pair, batch[2:4])),
                 tile_equals_seg=bool(np.array_equal(batch, seg)),
-                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)])
+                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], **_between_chunks(cfg, w, seqs))
 
 
 # --- the real all-MiniLM-L6-v2 ---------------------------------------------------------------------

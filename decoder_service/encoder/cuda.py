@@ -24,6 +24,7 @@ from numba import float32 as nb_f32  # noqa: E402
 
 from .config import MAX_TOKENS, EncoderConfig  # noqa: E402
 from .packing import chunks  # noqa: E402
+from .turns import Turns  # noqa: E402
 from .weights import EncoderWeights  # noqa: E402
 
 # Under the simulator (one Python thread per CUDA thread) every block is a few threads wide, so the
@@ -283,7 +284,7 @@ class CudaEncoder:
             raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
                              f"max_seq_length {cfg.max_seq_length}")
         self.cfg, self.chunk_tokens, self.small_rows, self.max_graphs = cfg, chunk_tokens, small_rows, graphs
-        self._lock = threading.Lock()
+        self._turns = Turns()      # the staging buffers, the stream and the graphs are one caller's at a time
         self._threads = set()
         self.stream = Stream()
         R = B = chunk_tokens
@@ -398,11 +399,11 @@ class CudaEncoder:
     def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
         H = self.cfg.hidden_size
         out = np.zeros((len(seqs), H), np.float32)
-        with self._lock:
-            if not SIM and threading.get_ident() not in self._threads:
-                cuda.current_context()     # the raw driver calls need the context current in this thread
-                self._threads.add(threading.get_ident())
-            for a, b in chunks(seqs, self.chunk_tokens):
+        if not SIM and threading.get_ident() not in self._threads:
+            cuda.current_context()     # the raw driver calls need the context current in this thread
+            self._threads.add(threading.get_ident())
+        for a, b in chunks(seqs, self.chunk_tokens):
+            with self._turns:      # a chunk at a time: a request waits for one chunk of a version's vectors, not all
                 M, B, graphed = self._stage(seqs[a:b])
                 if graphed:
                     self._graph(M, B).replay()
