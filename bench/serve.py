@@ -15,7 +15,8 @@ random weights) it measures, in this order:
   workloads     MetaTool (199 tools, 469 queries) and Seal-Tools (4,076 tools, global-memory trie):
                 tool vectors and prefix warm-up; per-query wall clock (retrieval, shortlist prompt, decode)
                 and time to first pointer at concurrency 1; every query submitted at once, twice (queries per
-                second: the second burst; the first, which captures the graphs of its step shapes, beside it)
+                second: the second burst; the first, which captures the graphs of its step shapes, beside it),
+                by one thread or by --clients threads that each retrieve their own
   peer          the same prompts (each query's shortlist listed) through bench/peer.py (gpt-fast recipe +
                 XGrammar over the whole catalog), at concurrency 1 and in batches of --peer-rows; how often it
                 repeats a name
@@ -140,8 +141,10 @@ def engine_settings(pairs: list[str]) -> dict:
     return out
 
 
-def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, settings: dict) -> dict:
-    """tooltrie's side of a workload, its engine run with `settings` (EngineConfig fields) over the bench's own."""
+def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float, settings: dict,
+                 clients: int = 1) -> dict:
+    """tooltrie's side of a workload, its engine run with `settings` (EngineConfig fields) over the bench's own, its
+    all-at-once bursts submitted by `clients` threads."""
     engine = DecodeEngine(be, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
                           EngineConfig(**{"max_seqs": MAX_SEQS, "max_waiting": 4 * len(queries),
                                           "fusion_weight": Settings().fusion_weight, **settings}))
@@ -156,8 +159,8 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float,
         log(f"  tooltrie concurrency 1: p50 {statistics.median(r['wall_s'] for r in solo) * 1e3:.1f} ms")
         # the first burst captures the graphs of the step shapes a burst makes (as the peer's first runs compile);
         # the second is the rate a running server keeps
-        first, first_s, _ = driver.all_at_once(rt, queries)
-        together, elapsed, submitted = driver.all_at_once(rt, queries)
+        first, first_s, _ = driver.all_at_once(rt, queries, clients)
+        together, elapsed, submitted = driver.all_at_once(rt, queries, clients)
         log(f"  tooltrie all at once: {len(queries) / elapsed:.1f} queries/s (the first burst "
             f"{len(queries) / first_s:.1f})")
         out = {
@@ -307,6 +310,8 @@ def serve_arguments(p) -> None:
     p.add_argument("--no-peer", action="store_true")
     p.add_argument("--shortlist", type=int, default=SHORTLIST, help="tools in each prompt (the service's default; "
                    "another size to time it against)")
+    p.add_argument("--clients", type=int, default=1, help="threads that submit the all-at-once bursts (1: one thread "
+                   "in turn; more: concurrent calls, each retrieving its own, as the server's threads take them)")
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--merge", action="store_true",
                    help="keep the other shapes and workloads of an earlier run's JSON (a shape or a workload "
@@ -329,6 +334,8 @@ def serve(args) -> None:
 
 
 def _serve(args) -> None:
+    if args.clients < 1:
+        raise SystemExit(f"--clients {args.clients}: at least one thread submits")
     run_args = {k: v for k, v in vars(args).items() if k not in ("command", "count_graphs")}  # as recorded
     gpu = has_gpu()
     kind = "cuda" if gpu else "cpu"
@@ -374,7 +381,7 @@ def _serve(args) -> None:
         for wi, (name, (trie, queries)) in enumerate(workloads.items()):
             log(f" {shape} / {name}: {len(trie.pointer_names)} tools, {len(queries)} queries")
             det = args.det_seconds if si == 0 and wi == 0 else 0
-            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, settings)
+            ours, names, prompt = run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det, settings, args.clients)
             entry["workloads"][name] = {"tools": len(trie.pointer_names), "queries": len(queries),
                                         "trie_bytes": trie.nbytes, "tooltrie": ours,
                                         "run": {"started": res["started"], "args": run_args}}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,11 +118,16 @@ class EngineDriver:
             out.append({**self.collect(seq, t0), "retrieval_ms": (t1 - t0) * 1e3, "submit_ms": (t2 - t1) * 1e3})
         return out
 
-    def all_at_once(self, rt, queries):
-        """Every query submitted at once (one thread retrieves and submits them in turn); (results, seconds until
-        the last one finished, seconds until the last one was submitted)."""
+    def all_at_once(self, rt, queries, clients: int = 1):
+        """Every query submitted at once: one thread retrieves and submits them in turn, or `clients` threads share
+        them (as the server's threads do concurrent calls, each retrieving its own); (results, seconds until the
+        last one finished, seconds until the last one was submitted)."""
         t0 = time.perf_counter()
-        seqs = [self.engine.submit(rt, q.intent, q.k) for q in queries]
+        if clients == 1:
+            seqs = [self.engine.submit(rt, q.intent, q.k) for q in queries]
+        else:
+            with ThreadPoolExecutor(clients) as pool:
+                seqs = list(pool.map(lambda q: self.engine.submit(rt, q.intent, q.k), queries))
         submitted = time.perf_counter() - t0
         results = [None] * len(seqs)
 

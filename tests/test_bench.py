@@ -48,6 +48,29 @@ def test_serve_runs_the_engine_with_the_settings_asked_for_and_refuses_others():
             engine_settings([bad])
 
 
+def test_a_burst_from_several_client_threads_gives_every_query_its_answer_alone(tmp_path, small_tokenizer_dir):
+    """--clients: the all-at-once burst submitted by threads that each retrieve their own, as the server's do."""
+    from bench.serve import answer_key
+    from bench.workload import EngineDriver, Query
+    from engine_fixtures import make_engine, metatool_trie, tiny_backend
+    from shared.tokenizer import ModelTokenizer
+    tok = ModelTokenizer(small_tokenizer_dir)
+    driver = EngineDriver(make_engine(tiny_backend(tmp_path, tok.tokenizer.get_vocab_size(), 512), tok, 512))
+    try:
+        rt, _ = driver.warm(metatool_trie(tok, first=40), None)
+        queries = [Query(intent, k) for intent, k in (("weather in paris", 2), ("a podcast please", 1),
+                                                      ("stocks and news", 3), ("find a recipe", 2),
+                                                      ("book a flight to rome", 1), ("convert a pdf", 2))]
+        alone = driver.one_by_one(rt, queries)
+        together, _, _ = driver.all_at_once(rt, queries, clients=4)
+    finally:
+        driver.close()
+    assert [answer_key(r) for r in together] == [answer_key(r) for r in alone]
+    assert [len(r["names"]) for r in together] == [q.k for q in queries]
+    with pytest.raises(SystemExit, match="--clients"):
+        handler("serve")[1](parse_args(["--clients", "0", "--no-peer"]))
+
+
 def test_quality_table_names_each_ceiling_by_its_shortlist_size():
     """The ceiling row says which shortlist it is of: the one size measured (not the service's default), or each."""
     from bench.quality import sized, table
