@@ -268,6 +268,51 @@ def test_encoder_api(tiny, tmp_path):
     assert load_encoder(copy, "cpu").digest != enc.digest
 
 
+# --- Batcher: a request's texts share one call with those that arrive together -------------------
+
+def test_concurrent_requests_share_an_encoder_call_and_each_gets_its_own_bits(tiny):
+    from decoder_service.encoder import BATCHED_TEXTS, load_encoder
+    d, _, _ = tiny
+    enc = load_encoder(d, "cpu")
+    requests = [[f"{w} {v}", f"find the {v} of {w}"] for w, v in zip(WORDS[:6], WORDS[6:12])]
+    alone = [enc.encode(r) for r in requests]
+    embed, calls, first = enc.backend.embed, [], threading.Event()
+
+    def slow(seqs):                 # the first call holds the encoder until every other request is waiting
+        calls.append(len(seqs))
+        if len(calls) == 1:
+            first.set()
+            deadline = time.monotonic() + 10
+            while len(enc._batcher._waiting) < len(requests) - 1 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        return embed(seqs)
+    enc.backend.embed = slow
+    out = [None] * len(requests)
+
+    def one(i):
+        out[i] = enc.encode(requests[i])
+    threads = [threading.Thread(target=one, args=(0,))]
+    threads[0].start()
+    first.wait(10)
+    threads += [threading.Thread(target=one, args=(i,)) for i in range(1, len(requests))]
+    for t in threads[1:]:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert calls == [2, 2 * (len(requests) - 1)]            # the first alone, then the five others in one call
+    assert all(np.array_equal(a, b) for a, b in zip(out, alone))
+    enc.encode(["a text"] * (BATCHED_TEXTS + 1))              # a version's vectors: their own call, never shared
+    assert calls[-1] == BATCHED_TEXTS + 1
+
+    def broken(seqs):
+        raise RuntimeError("device lost")
+    enc.backend.embed = broken                                 # a failed call fails its callers, and only them
+    with pytest.raises(RuntimeError, match="device lost"):
+        enc.encode(requests[0])
+    enc.backend.embed = embed
+    assert np.array_equal(enc.encode(requests[0]), alone[0])
+
+
 # --- Turns: the CUDA encoder's chunks taken first come, first served ------------------------------
 
 def _queued(turns, fn, waiting: int) -> threading.Thread:

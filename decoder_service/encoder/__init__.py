@@ -7,9 +7,14 @@ import numpy as np
 
 from decoder_service.model.backend import resolve_backend
 
+from .batcher import Batcher
 from .config import EncoderConfig
 from .tokenizer import load_tokenizer, token_ids
 from .weights import digest, load_weights
+
+# Calls of up to this many texts (a request's intent and its clauses) share one encoder call with those that arrive
+# together (Batcher); larger ones (a version's tool vectors) run alone, so that no request waits for them to end.
+BATCHED_TEXTS = 8
 
 
 class Encoder:
@@ -26,6 +31,7 @@ class Encoder:
         self.backend, self.backend_name = backend, backend_name
         self.name, self.digest = name, digest
         self.tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
+        self._batcher = Batcher(lambda seqs: self.backend.embed(seqs))
 
     @property
     def dim(self) -> int:
@@ -39,7 +45,8 @@ class Encoder:
             raise TypeError("encode takes a list of texts, not one string")
         if not texts:
             return np.zeros((0, self.dim), np.float32)
-        return self.backend.embed(self.token_ids(texts))
+        ids = self.token_ids(texts)
+        return self._batcher(ids) if len(ids) <= BATCHED_TEXTS else self.backend.embed(ids)
 
 
 def load_encoder(model_dir: str | Path, backend: str = "auto", **options) -> Encoder:
