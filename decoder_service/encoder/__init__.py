@@ -31,7 +31,7 @@ class Encoder:
         self.backend, self.backend_name = backend, backend_name
         self.name, self.digest = name, digest
         self.tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
-        self._batcher = Batcher(lambda seqs: self.backend.embed(seqs))
+        self._batcher = Batcher(backend)
 
     @property
     def dim(self) -> int:

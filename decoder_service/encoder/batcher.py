@@ -21,13 +21,13 @@ class _Call:
 
 
 class Batcher:
-    """`embed` (token id arrays -> vectors) shared by concurrent callers. A caller that finds no batch running runs
+    """A backend's `embed` (token id arrays -> vectors) shared by concurrent callers. A caller that finds no batch running runs
     its own texts and those of every caller waiting, in one call; the others wait for their rows. Alone, a caller
     runs its own call at once. A text's vector is the same bits in any batch (the encoders' contract), so whom a
     request shares a call with never shows in its answer; one call of many texts costs far less than many calls."""
 
-    def __init__(self, embed):
-        self._embed = embed
+    def __init__(self, backend):
+        self._backend = backend
         self._cond = threading.Condition()
         self._waiting: list[_Call] = []
         self._running = False
@@ -43,7 +43,7 @@ class Batcher:
             self._running = True
             batch, self._waiting = self._waiting, []
         try:
-            vectors, error = self._embed([s for c in batch for s in c.seqs]), None
+            vectors, error = self._backend.embed([s for c in batch for s in c.seqs]), None
         except BaseException as e:   # every caller of the batch gets it, not only this one
             vectors, error = None, e
         with self._cond:
