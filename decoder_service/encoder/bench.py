@@ -1,5 +1,5 @@
-"""Check the encoder against the float64 reference, then time it: one query, a request's parts, 64 queries, a tool
-catalog.
+"""Check the encoder against the float64 reference, then time it: one query, a request's parts, 64 queries, requests
+from several threads, a tool catalog, and requests beside a tool catalog.
 
     python -m decoder_service.encoder.bench --backend cuda --model models/all-MiniLM-L6-v2 \
         --texts ../shared/data/bigcatalog/catalog.json --queries ../shared/data/bigcatalog/dev_queries.jsonl
@@ -8,13 +8,19 @@ The check runs first (fresh random token sequences of 2..max_seq_length tokens, 
 on the weights as the backend stores them; each vector alone against its batch, bit for bit); the
 timings are host wall clock around encode(), tokenization included, medians after a warm-up; a request's parts
 (the intent and its clauses, as retrieval encodes them: retrieval.intent_parts) are timed without tokenization,
-per query of the first 150, split by one part or several (P94). A short table is printed last.
+per query of the first 150, split by one part or several (P94). The first 100 requests' parts are then encoded
+from --clients threads, through encode() (requests that arrive together share a call: Batcher, P106) and each in
+a call of its own, with the encoder calls counted; and, while the catalog's texts are encoded on one thread,
+requests' parts on another, each waiting at most for the chunk under way (Turns, P104). A short table is printed
+last.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -57,6 +63,54 @@ def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, floa
             for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
 
 
+def counted_calls(enc) -> list[int]:
+    """The texts of each backend.embed call from now on (undone by `del enc.backend.embed`)."""
+    embed, calls = enc.backend.embed, []
+
+    def counted(seqs):
+        calls.append(len(seqs))
+        return embed(seqs)
+    enc.backend.embed = counted
+    return calls
+
+
+def concurrent_rows(enc, queries: list[str], clients: int) -> list[tuple[str, float, str]]:
+    """Seconds a request for the queries' parts encoded from `clients` threads: through encode() (shared calls)
+    and each request in a call of its own."""
+    from decoder_service.retrieval import intent_parts
+    parts = [intent_parts(q) for q in queries]
+    rows = []
+    for what, fn in (("shared calls", enc.encode), ("a call each", lambda p: enc.backend.embed(enc.token_ids(p)))):
+        calls = counted_calls(enc)
+        t = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(fn, parts))
+        dt = time.perf_counter() - t
+        del enc.backend.embed
+        rows.append((f"{len(parts)} requests, {clients} threads, {what}", dt / len(parts),
+                     f"{len(calls)} encoder calls, {len(parts) / dt:,.1f} requests/s"))
+    return rows
+
+
+def beside_rows(enc, queries: list[str], texts: list[str]) -> list[tuple[str, float, str]]:
+    """Median seconds of a request's encode() while `texts` (a version's tool vectors) are encoded on another
+    thread, with the slowest and the texts' own time."""
+    from decoder_service.retrieval import intent_parts
+    parts, spent, times = [intent_parts(q) for q in queries], [], []
+    bulk = threading.Thread(target=lambda: spent.append(median_s(lambda: enc.encode(texts), 1)))
+    bulk.start()
+    while bulk.is_alive():
+        for p in parts:
+            t = time.perf_counter()
+            enc.encode(p)
+            times.append(time.perf_counter() - t)
+            if not bulk.is_alive():
+                break
+    bulk.join()
+    return [(f"a request beside {len(texts)} tool texts", float(np.median(times)),
+             f"{len(times)} requests, the slowest {max(times) * 1e3:.1f} ms; the texts {spent[0]:.2f} s")]
+
+
 def check(enc, model_dir: Path, n: int, seed: int) -> dict:
     weights = load_weights(model_dir, enc.cfg)
     if enc.backend_name == "cuda":
@@ -84,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--queries", type=Path, required=True, help="dev_queries.jsonl: one query, then 64")
     p.add_argument("--check", type=int, default=32, help="random texts checked against the reference")
     p.add_argument("--repeat", type=int, default=50)
+    p.add_argument("--clients", type=int, default=8, help="threads that send the first 100 requests at once")
     args = p.parse_args(argv)
 
     t = time.perf_counter()
@@ -101,17 +156,19 @@ def main(argv: list[str] | None = None) -> None:
     batch = queries[:64]
     enc.encode(batch)
     rows.append((f"{len(batch)} queries", median_s(lambda: enc.encode(batch), max(3, args.repeat // 5)), ""))
+    rows += concurrent_rows(enc, queries[:100], args.clients)
     tokens = sum(len(i) for i in enc.token_ids(texts))
     enc.encode(texts[:256])
     dt = median_s(lambda: enc.encode(texts), 3)
     rows.append((f"{len(texts)} tool texts", dt, f"{tokens} tokens, {tokens / dt:,.0f} tokens/s"))
+    rows += beside_rows(enc, queries[:150], texts)
     result["timings_s"] = {name: s for name, s, _ in rows}
     print("RESULT " + json.dumps(result), flush=True)
     print(f"\n{enc.name} on {enc.backend_name}: check rel_max {result['check']['rel_max']:.2e}, "
           f"alone == batch: {result['check']['alone_equals_batch']}")
-    print(f"{'what':<28} {'median':>12}  note")
+    print(f"{'what':<42} {'median':>12}  note")
     for name, s, note in rows:
-        print(f"{name:<28} {s * 1e3:>9.3f} ms  {note}")
+        print(f"{name:<42} {s * 1e3:>9.3f} ms  {note}")
 
 
 if __name__ == "__main__":
