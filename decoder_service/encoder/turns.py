@@ -13,7 +13,7 @@ class Turns:
         self._cond = threading.Condition()
         self._next = 0       # the ticket the next caller gets
         self._serving = 0    # the ticket whose turn it is
-        self._gone = set()   # tickets whose callers stopped waiting (an exception in wait): their turns are skipped
+        self._gone = set()   # later tickets whose callers stopped waiting (an exception in wait): passed over
 
     def __enter__(self) -> "Turns":
         with self._cond:
@@ -23,18 +23,20 @@ class Turns:
                 while ticket != self._serving:
                     self._cond.wait()
             except BaseException:
-                self._gone.add(ticket)
-                self._advance()
+                if ticket == self._serving:
+                    self._pass_on()
+                else:
+                    self._gone.add(ticket)
                 raise
         return self
 
     def __exit__(self, *exc) -> None:
         with self._cond:
-            self._gone.add(self._serving)
-            self._advance()
+            self._pass_on()
 
-    def _advance(self) -> None:
-        """Pass the turn on past every ticket that is done or gone (under the condition's lock)."""
+    def _pass_on(self) -> None:
+        """Give the turn to the next ticket whose caller still waits (under the condition's lock)."""
+        self._serving += 1
         while self._serving in self._gone:
             self._gone.remove(self._serving)
             self._serving += 1
