@@ -2,8 +2,8 @@
 
 A version's tool and request vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with
 the intent's parts), the requests' votes (k_fuse over the requests, a two-level k_best for the nearest, k_vote),
-k_add (BM25) and a two-level k_best leave only n ids and scores for the host, in retrieval.top_n's order, the
-same in any order of requests (P78).
+k_add (BM25) and a two-level k_best (bitonic sorts in shared memory) leave only n ids and scores for the host, in
+retrieval.top_n's order, the same in any order of requests (P78, P107).
 """
 from __future__ import annotations
 
@@ -15,34 +15,60 @@ import numpy as np
 
 import ctypes
 
-from decoder_service.model.cuda.intrinsics import WARP, ldf, warp_sum
+from decoder_service.model.cuda.intrinsics import WARP, ld8, warp_sum
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
 WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, intrinsics.WARP)
-THREADS = 8 if SIM else 64   # k_best's block: two warps keep a round's reduction short
-SLICE = 64 if SIM else 1024  # tools per k_best block
-MAX_N = 64                  # longest shortlist the device path serves (longer: the host's)
+SORT = 64 if SIM else 1024  # entries a k_best block sorts at once (and its first level's slice)
+THREADS = SORT // 2         # k_best's block: a thread a pair
+MAX_N = 48 if SIM else 64   # longest shortlist the device path serves (longer: the host's); below SORT
+LAST_ID = 2147483647        # the id of k_best's padding, after every real entry
 _F, _H, _I = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32))
 _S, _X = t.int32, t.float32
 
 
+@cuda.jit(device=True, inline="always")
+def _dot8(x, queries, i, s):
+    """s plus x . queries[i:i + 8], in ascending order."""
+    q = ld8(queries, i)
+    for e in range(8):
+        s = cuda.fma(x[e], q[e], s)
+    return s
+
+
+@cuda.jit(device=True, inline="always")
+def _part(x, queries, i, s, p, parts):
+    """_dot8 for part p, s as it is where the intent has fewer parts."""
+    return _dot8(x, queries, i, s) if p < parts else s
+
+
 @cuda.jit(cache=not SIM)
 def k_fuse(vectors, dim, n, queries, parts, a, k0, out):
-    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, one warp per tool (lanes
-    stride the dimensions, then the warp's fixed butterfly sum)."""
+    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, one warp per tool: lanes stride
+    the vector in runs of 8 (one 16-byte load each, read once for every part, a sum a part), then the warp's fixed
+    butterfly sum of each part's (dim a multiple of 8)."""
     lane = cuda.threadIdx.x % WARP
     tool = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
     if tool >= n:
         return
-    best = numba.float32(-math.inf)
-    for p in range(parts):
-        s = numba.float32(0.0)
-        for j in range(lane, dim, WARP):
-            s += ldf(vectors, tool * dim + j) * queries[p * dim + j]
-        best = max(best, warp_sum(s))
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = numba.float32(0.0)
+    for j in range(lane * 8, dim, WARP * 8):
+        x = ld8(vectors, tool * dim + j)
+        s0 = _dot8(x, queries, j, s0)
+        s1 = _part(x, queries, dim + j, s1, 1, parts)
+        s2 = _part(x, queries, 2 * dim + j, s2, 2, parts)
+        s3 = _part(x, queries, 3 * dim + j, s3, 3, parts)
+        s4 = _part(x, queries, 4 * dim + j, s4, 4, parts)
+        s5 = _part(x, queries, 5 * dim + j, s5, 5, parts)
+        s6 = _part(x, queries, 6 * dim + j, s6, 6, parts)
+        s7 = _part(x, queries, 7 * dim + j, s7, 7, parts)
+    best = warp_sum(s0)
+    for p, v in enumerate((s1, s2, s3, s4, s5, s6, s7)):
+        if p + 1 < parts:
+            best = max(best, warp_sum(v))
     if lane == 0:
         out[tool] = a * best + k0
 
@@ -79,40 +105,45 @@ def _better(v, i, bv, bi):
 @cuda.jit(cache=not SIM)
 def k_best(scores, ids, n, slice_len, top, out_scores, out_ids):
     """Block b: the best `top` of entries [b*slice_len, (b+1)*slice_len) of scores (their ids from `ids`, or
-    the index where ids is empty), best first, into out_*[b*top:]. Each thread holds its best entry worse than
-    the last one it gave; per round the block's best of those is taken and only its thread looks again."""
+    the index where ids is empty), best first, into out_*[b*top:]. The block sorts SORT entries at a time, best
+    first (a bitonic network, two entries a thread): the slice's first SORT, then the best `top` so far with the
+    next SORT - top; past the slice, entries worse than any (-inf, the largest id)."""
     tid = cuda.threadIdx.x
     b = cuda.blockIdx.x
     lo = b * slice_len
     hi = min(lo + slice_len, n)
-    sv = cuda.shared.array(THREADS, numba.float32)
-    si = cuda.shared.array(THREADS, numba.int32)
-    st = cuda.shared.array(THREADS, numba.int32)
-    bound_v, bound_i = math.inf, -1
-    for r in range(top):
-        if r == 0 or st[0] == tid:   # this thread's entry was taken (or none yet): its next best
-            cv, ci = -math.inf, 2147483647
-            for p in range(lo + tid, hi, THREADS):
-                v = scores[p]
-                i = ids[p] if ids.size > 0 else p
-                if _better(bound_v, bound_i, v, i) and _better(v, i, cv, ci):
-                    cv, ci = v, i
-            mine_v, mine_i = cv, ci
+    sv = cuda.shared.array(SORT, numba.float32)
+    si = cuda.shared.array(SORT, numba.int32)
+    kept, p = 0, lo
+    while True:
+        for e in range(kept + tid, SORT, THREADS):
+            q = p + e - kept
+            if q < hi:
+                sv[e] = scores[q]
+                si[e] = ids[q] if ids.size > 0 else q
+            else:
+                sv[e] = -math.inf
+                si[e] = LAST_ID
+        p += SORT - kept
         cuda.syncthreads()
-        sv[tid], si[tid], st[tid] = mine_v, mine_i, tid
-        cuda.syncthreads()
-        stride = THREADS // 2
-        while stride > 0:
-            if tid < stride and _better(sv[tid + stride], si[tid + stride], sv[tid], si[tid]):
-                sv[tid], si[tid], st[tid] = sv[tid + stride], si[tid + stride], st[tid + stride]
-            cuda.syncthreads()
-            stride //= 2
-        if tid == 0:
-            out_scores[b * top + r] = sv[0]
-            out_ids[b * top + r] = si[0]
-        if st[0] == tid:
-            bound_v, bound_i = mine_v, mine_i
-        cuda.syncthreads()
+        k = 2
+        while k <= SORT:
+            j = k >> 1
+            while j > 0:
+                # the pair (i, i + j); in a run of k entries, the better first where i & k == 0
+                i = ((tid & -j) << 1) | (tid & (j - 1))
+                if _better(sv[i + j], si[i + j], sv[i], si[i]) == ((i & k) == 0):
+                    sv[i], sv[i + j] = sv[i + j], sv[i]
+                    si[i], si[i + j] = si[i + j], si[i]
+                cuda.syncthreads()
+                j >>= 1
+            k <<= 1
+        kept = top
+        if p >= hi:
+            break
+    for r in range(tid, top, THREADS):
+        out_scores[b * top + r] = sv[r]
+        out_ids[b * top + r] = si[r]
 
 
 class DeviceScorer:
@@ -121,6 +152,9 @@ class DeviceScorer:
 
     def __init__(self, vectors: np.ndarray, voters: tuple[np.ndarray, np.ndarray] | None = None):
         n, dim = vectors.shape
+        if dim % 8 or MAX_PARTS != 8:
+            raise ValueError(f"k_fuse reads vectors in runs of 8 (dimension {dim}) and keeps 8 parts' sums "
+                             f"(retrieval.MAX_PARTS {MAX_PARTS})")
         self.n, self.dim = n, dim
         self.stream = Stream()
         self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())
@@ -197,14 +231,16 @@ class Best:
     `scores` and `ids`: each slice's best, then (over more than one slice) the best of those."""
 
     def __init__(self, scores, n: int, top: Scalar, most: int, no_ids, stream):
-        self.blocks, self.top, self.merged = -(-n // SLICE), top, Scalar(ctypes.c_int32)
+        if most >= SORT:
+            raise ValueError(f"k_best keeps fewer than {SORT} entries, asked for {most}")
+        self.blocks, self.top, self.merged = -(-n // SORT), top, Scalar(ctypes.c_int32)
         self.scores, self.ids = cuda.device_array(most, np.float32), cuda.device_array(most, np.int32)
         part_scores, part_ids = self.scores, self.ids     # one slice: its best are the best
         if self.blocks > 1:
             part_scores = cuda.device_array(self.blocks * most, np.float32)
             part_ids = cuda.device_array(self.blocks * most, np.int32)
         k = Kernels.get()
-        self.part = Launch(k.best, THREADS, 0, dict(scores=scores, ids=no_ids, n=n, slice_len=SLICE, top=top,
+        self.part = Launch(k.best, THREADS, 0, dict(scores=scores, ids=no_ids, n=n, slice_len=SORT, top=top,
                                                     out_scores=part_scores, out_ids=part_ids), stream)
         self.merge = Launch(k.best, THREADS, 0, dict(scores=part_scores, ids=part_ids, n=self.merged,
                                                      slice_len=self.merged, top=top, out_scores=self.scores,

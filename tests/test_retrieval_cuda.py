@@ -28,7 +28,7 @@ def main() -> None:
     from decoder_service.retrieval import NEIGHBOURS, VOTE_TEMPERATURE, top_n
     from decoder_service.retrieval_cuda import SIM, DeviceScorer
     rng = np.random.default_rng(3)
-    n, dim, m = (150, 8, 40) if SIM else (100_000, 384, 50_000)
+    n, dim, m = (150, 8, 40) if SIM else (100_000, 384, 50_000)   # SIM: k_best merges 3 blocks in chunks
     vectors = rng.standard_normal((n, dim)).astype(np.float16)
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
     requests = rng.standard_normal((m, dim)).astype(np.float16)
