@@ -71,6 +71,35 @@ def test_a_burst_from_several_client_threads_gives_every_query_its_answer_alone(
         handler("serve")[1](parse_args(["--clients", "0", "--no-peer"]))
 
 
+def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report_names_both(small_tokenizer_dir):
+    """The shortlist encodes an intent's parts (the intent and its clauses); the table times that call too, since a
+    request with several parts costs more than its intent alone."""
+    import numpy as np
+
+    from bench.serve import retrieval_table
+    from bench.workload import Query
+    from decoder_service.retrieval import intent_parts
+    from shared.tokenizer import ModelTokenizer
+
+    class Recorder:
+        backend_name, dim, digest = "cpu", 4, "recorder"
+        calls: list[list[str]] = []
+
+        def encode(self, texts):
+            self.calls.append(list(texts))
+            v = np.random.default_rng(len(self.calls)).standard_normal((len(texts), self.dim)).astype(np.float32)
+            return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+    intent = "convert the money first and then check the weather"
+    enc = Recorder()
+    out = retrieval_table(ModelTokenizer(small_tokenizer_dir), enc, [Query(intent, 2), Query("a podcast", 1)], 300, 12)
+    assert len(intent_parts(intent)) == 3 and intent_parts(intent) in enc.calls and [intent] in enc.calls
+    assert out["tools"] == 300 and all(out[k]["p50_ms"] > 0 for k in ("shortlist", "encode_intent", "encode_parts"))
+    res = json.loads((RESULTS / "bench_h200.json").read_text())
+    res["retrieval"]["encode_parts"] = {**res["retrieval"]["encode_intent"], "p50_ms": 1.234}
+    assert "(its parts, as the shortlist encodes them: 1.234 ms)." in report.markdown(res)
+
+
 def test_quality_table_names_each_ceiling_by_its_shortlist_size():
     """The ceiling row says which shortlist it is of: the one size measured (not the service's default), or each."""
     from bench.quality import sized, table
