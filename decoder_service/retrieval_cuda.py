@@ -26,6 +26,8 @@ SORT = 64 if SIM else 1024  # entries a k_best block sorts at once (and its firs
 THREADS = SORT // 2         # k_best's block: a thread a pair
 MAX_N = 48 if SIM else 64   # longest shortlist the device path serves (longer: the host's); below SORT
 LAST_ID = 2147483647        # the id of k_best's padding, after every real entry
+if MAX_PARTS != 8:
+    raise ImportError(f"k_fuse keeps a sum for each of 8 parts, retrieval.MAX_PARTS is {MAX_PARTS}")
 _F, _H, _I = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32))
 _S, _X = t.int32, t.float32
 
@@ -152,9 +154,8 @@ class DeviceScorer:
 
     def __init__(self, vectors: np.ndarray, voters: tuple[np.ndarray, np.ndarray] | None = None):
         n, dim = vectors.shape
-        if dim % 8 or MAX_PARTS != 8:
-            raise ValueError(f"k_fuse reads vectors in runs of 8 (dimension {dim}) and keeps 8 parts' sums "
-                             f"(retrieval.MAX_PARTS {MAX_PARTS})")
+        if dim % 8:
+            raise ValueError(f"k_fuse reads vectors in runs of 8, not a dimension of {dim}")
         self.n, self.dim = n, dim
         self.stream = Stream()
         self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())

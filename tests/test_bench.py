@@ -83,7 +83,9 @@ def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report
 
     class Recorder:
         backend_name, dim, digest = "cpu", 4, "recorder"
-        calls: list[list[str]] = []
+
+        def __init__(self):
+            self.calls: list[list[str]] = []
 
         def encode(self, texts):
             self.calls.append(list(texts))
