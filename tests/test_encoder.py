@@ -376,6 +376,9 @@ def test_cuda_kernels_under_simulator():
     # a query arriving while a catalog's vectors are encoded waits for the chunk under way, not the whole job
     assert r["long_job_chunks"] == 12 and r["chunks_before_query"] <= 2, r
     assert r["query_alone_bits"], "the query's vector changed when it ran between a long job's chunks"
+    layers = r["launch_counts"]["attention"]               # the encoder bench's launch-by-launch rows
+    assert r["launch_total"] == sum(r["launch_counts"].values()) == 2 + 7 * layers and layers >= 1, r
+    assert r["launch_counts"]["embed"] == r["launch_counts"]["pool"] == 1 and r["launch_vector_same"], r
 
 
 def _between_chunks(cfg, w, seqs) -> dict:
@@ -435,7 +438,18 @@ def _sim_case() -> dict:
                 alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
                                         and np.array_equal(pair, batch[2:4])),
                 tile_equals_seg=bool(np.array_equal(batch, seg)),
-                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], **_between_chunks(cfg, w, seqs))
+                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], **_between_chunks(cfg, w, seqs),
+                **_launch_rows(enc, cfg, seqs, alone))
+
+
+def _launch_rows(enc, cfg, seqs, alone) -> dict:
+    """The encoder bench's launch-by-launch rows of one request: every launch of the pass named once per layer
+    (2 + 7 a layer), and the request's vector unchanged by the launches replayed on its staged inputs."""
+    from decoder_service.encoder.bench import launch_rows
+    rows = launch_rows(enc, [[seqs[2]]], repeat=1, samples=1)
+    counts = {name.strip(): int(note.split()[0]) for name, _, note in rows[1:]}
+    return dict(launch_counts=counts, launch_total=int(rows[0][2].split()[0]),
+                launch_vector_same=bool(np.array_equal(enc.embed([seqs[2]]), alone)))
 
 
 # --- the real all-MiniLM-L6-v2 ---------------------------------------------------------------------

@@ -11,8 +11,9 @@ timings are host wall clock around encode(), tokenization included, medians afte
 per query of the first 150, split by one part or several (P94). The first 100 requests' parts are then encoded
 from --clients threads, through encode() (requests that arrive together share a call: Batcher, P106) and each in
 a call of its own, with the encoder calls counted; and, while the catalog's texts are encoded on one thread,
-requests' parts on another, each waiting at most for the chunk under way (Turns, P104). A short table is printed
-last.
+requests' parts on another, each waiting at most for the chunk under way (Turns, P104). On a GPU, last, one query's
+pass and a request's of three parts or more launch by launch (each launch 20 times in one captured graph). A short
+table is printed last.
 """
 from __future__ import annotations
 
@@ -61,6 +62,30 @@ def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, floa
             times[len(r) == 1].append(time.perf_counter() - t)
     return [(f"a request, {what} ({len(times[one]) // repeat})", float(np.median(times[one])), "parts, no tokenizing")
             for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
+
+
+def launch_rows(backend, requests: list[list[np.ndarray]], repeat: int = 20,
+                samples: int = 10) -> list[tuple[str, float, str]]:
+    """The CUDA forward pass of each request (its token id arrays), launch by launch: each launch `repeat` times in
+    one captured graph (seconds a launch, as the served graph runs it, the median of `samples` replays), a kernel and
+    shape's launches summed over the layers, beside the whole pass in one graph."""
+    from decoder_service.model.cuda.launcher import Graph
+    sync = backend.stream.synchronize
+    rows = []
+    for ids in requests:
+        backend.embed(ids)                        # stages the request: its rows and inputs stay on the device
+        M, B = backend.rows.value, len(ids)
+        launches = backend.launches(M, B)
+        whole = Graph(backend.stream, lambda: [f() for _, f in launches])
+        each: dict[str, list[float]] = {}
+        for name, f in launches:
+            g = Graph(backend.stream, lambda f=f: [f() for _ in range(repeat)])
+            each.setdefault(name, []).append(median_s(lambda g=g: (g.replay(), sync()), samples) / repeat)
+        rows.append((f"{M} rows, {B} texts: the pass in one graph", median_s(lambda: (whole.replay(), sync()), samples),
+                     f"{len(launches)} launches, their sum {sum(map(sum, each.values())) * 1e6:,.1f} µs"))
+        rows += [(f"  {name}", float(np.median(t)), f"{len(t)} a pass, {sum(t) * 1e6:,.1f} µs in all")
+                 for name, t in each.items()]
+    return rows
 
 
 def counted_calls(enc) -> list[int]:
@@ -162,6 +187,10 @@ def main(argv: list[str] | None = None) -> None:
     dt = median_s(lambda: enc.encode(texts), 3)
     rows.append((f"{len(texts)} tool texts", dt, f"{tokens} tokens, {tokens / dt:,.0f} tokens/s"))
     rows += beside_rows(enc, queries[:150], texts)
+    if enc.backend_name == "cuda":
+        from decoder_service.retrieval import intent_parts
+        several = next((p for p in map(intent_parts, queries) if len(p) >= 3), None)
+        rows += launch_rows(enc.backend, [enc.token_ids(q) for q in (one, several) if q])
     result["timings_s"] = {name: s for name, s, _ in rows}
     print("RESULT " + json.dumps(result), flush=True)
     print(f"\n{enc.name} on {enc.backend_name}: check rel_max {result['check']['rel_max']:.2e}, "

@@ -347,25 +347,31 @@ class CudaEncoder:
                                 gemm("w2", self.inter, self.y, I, H, MODE_RESIDUAL, self.x),
                                 norm("ffn", self.y, self.x)])
 
+    def launches(self, M: int, B: int) -> list[tuple[str, object]]:
+        """The forward pass over M rows of B texts as (name, enqueue) pairs in launch order (one name a kernel
+        and shape: "embed", "qkv/seg", "attention", ...), for M set in `rows` and the inputs staged."""
+        out = [("embed", lambda: self.l_embed.launch(M))]
+        small = M <= self.small_rows
+        for ops in self.layers:
+            for op in ops:
+                if isinstance(op, Launch):
+                    out.append((op.name, lambda op=op: op.launch(M)))
+                elif op[0] == "attn":
+                    out.append(("attention", lambda op=op: op[1].launch(M, self.cfg.num_heads)))
+                elif small:
+                    out.append((op[1].name, lambda op=op: op[1].launch(op[2] // COLS, -(-M // MS))))
+                else:
+                    out.append((op[0].name, lambda op=op: op[0].launch(op[2] // BM, -(-M // BM))))
+        return out + [("pool", lambda: self.l_pool.launch(B))]
+
     def _enqueue(self, M: int, B: int) -> None:
         """Copy the staged inputs, run the forward pass over M rows of B texts (and the spare rows' text after
         them), copy the B vectors back (all asynchronous on the stream; capturable)."""
         self.rows.value = M
         s = self.stream
         s.h2d(self.meta, self.meta_host, 2 * M + 2 * B + 2)
-        self.l_embed.launch(M)
-        small = M <= self.small_rows
-        for ops in self.layers:
-            for op in ops:
-                if isinstance(op, Launch):
-                    op.launch(M)
-                elif op[0] == "attn":
-                    op[1].launch(M, self.cfg.num_heads)
-                elif small:
-                    op[1].launch(op[2] // COLS, -(-M // MS))
-                else:
-                    op[0].launch(op[2] // BM, -(-M // BM))
-        self.l_pool.launch(B)
+        for _, launch in self.launches(M, B):
+            launch()
         s.d2h(self.emb_host, self.emb, B * self.cfg.hidden_size)
 
     def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int, bool]:
