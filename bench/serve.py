@@ -11,7 +11,8 @@ random weights) it measures, in this order:
   step          one decode step at batch 1/16/64/256, constrained (k_mask, sparse head, k_select)
                 and unconstrained (dense head), each a captured graph (GPU only)
   retrieval     the first stage alone (encode the intent, BM25, fused top N) over MetaTool's queries on a
-                catalog of --retrieval-tools tools (100,000), and the time to compute its tool vectors
+                catalog of --retrieval-tools tools (100,000), and the time to compute its tool vectors; apart,
+                encoding the intent, its parts, and (GPU) the device scorer with its inputs ready
   workloads     MetaTool (199 tools, 469 queries) and Seal-Tools (4,076 tools, global-memory trie):
                 tool vectors and prefix warm-up; per-query wall clock (retrieval, shortlist prompt, decode)
                 and time to first pointer at concurrency 1; every query submitted at once, twice (queries per
@@ -113,18 +114,21 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
     times = [retriever.shortlist(q.intent, size).seconds for q in queries]
     out = {"tools": n_tools, "size": size, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
            "shortlist": percentiles(times),
-           "encode_intent": percentiles([encode_seconds(encoder, [q.intent]) for q in queries]),
-           "encode_parts": percentiles([encode_seconds(encoder, intent_parts(q.intent)) for q in queries])}
+           "encode_intent": percentiles([seconds(lambda q=q: encoder.encode([q.intent])) for q in queries]),
+           "encode_parts": percentiles([seconds(lambda q=q: encoder.encode(intent_parts(q.intent))) for q in queries])}
+    if retriever.device is not None:      # the device scorer alone, its inputs computed beforehand
+        args = [retriever.scorer_args(q.intent, size) for q in queries]
+        out["device_score"] = percentiles([seconds(lambda a=a: retriever.device.shortlist(*a)) for a in args])
     log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, "
         f"shortlist p50 {out['shortlist']['p50_ms']:.3f} ms (encoding the intent {out['encode_intent']['p50_ms']:.3f} "
         f"ms, its parts {out['encode_parts']['p50_ms']:.3f} ms)")
     return out
 
 
-def encode_seconds(encoder, texts: list[str]) -> float:
-    """The wall time of one encoder call."""
+def seconds(fn) -> float:
+    """The wall time of one call of fn."""
     t = time.perf_counter()
-    encoder.encode(texts)
+    fn()
     return time.perf_counter() - t
 
 

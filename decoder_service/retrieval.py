@@ -212,17 +212,17 @@ class Retriever:
         started = time.perf_counter()
         n = min(n, self.size if allow is None else len(allow))
         if self.device is not None and allow is None and n <= self.device_max:
-            ids, scores = self._on_device(intent, n)
+            ids, scores = self.device.shortlist(*self.scorer_args(intent, n))
         else:
             fused = self.scores(intent, allow)
             ids = top_n(fused, n)
             scores = fused[ids]
         return Shortlist(ids, scores, time.perf_counter() - started)
 
-    def _on_device(self, intent: str, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """`scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the requests' votes: the intent's
-        cosines' mean and spread from the precomputed moments, BM25's from the matched tools (the others score
-        0)."""
+    def scorer_args(self, intent: str, n: int) -> tuple:
+        """The device scorer's arguments for `scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the
+        requests' votes: the intent's parts encoded, the cosines' mean and spread from the precomputed moments,
+        BM25's from the matched tools (the others score 0)."""
         parts = self.encoder.encode(intent_parts(intent))
         q = parts[0]
         ids, values = self.index.matched(intent, self.size)
@@ -232,7 +232,7 @@ class Retriever:
         sb = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mb * mb, 0.0))
         a = self.dense_weight / sd if sd > 0 else 0.0
         c = (1.0 - self.dense_weight) / sb if sb > 0 else 0.0
-        return self.device.shortlist(parts, a, -a * md - c * mb, (ids, values), c, n, self.vote_weight)
+        return parts, a, -a * md - c * mb, (ids, values), c, n, self.vote_weight
 
 
 def standardised(x: np.ndarray, keep: np.ndarray, by: np.ndarray | None = None) -> np.ndarray:

@@ -58,7 +58,43 @@ def main() -> None:
         elif not vote and not np.array_equal(got_scores, host[want]):
             mismatches.append(f"case {case}: scores {got_scores[:4]} vs {host[want][:4]}")
         cases += 1
-    print("RESULT " + json.dumps({"cases": cases, "mismatches": mismatches}))
+    mismatches += through_the_retriever(rng, SIM)
+    print("RESULT " + json.dumps({"cases": cases + 1, "mismatches": mismatches}))
+
+
+class Hashed:
+    """An encoder stand-in on the GPU path: a fixed unit vector a text."""
+    backend_name, digest = "cuda", "hashed"
+
+    def __init__(self, dim: int):
+        self.dim = dim
+
+    def encode(self, texts):
+        v = np.stack([np.random.default_rng(sum(map(ord, t))).standard_normal(self.dim) for t in texts])
+        return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+
+
+def through_the_retriever(rng, sim: bool) -> list[str]:
+    """Retriever.shortlist on the device (its scorer_args: the intent's parts, the moments, BM25's matches, the
+    vote) against the host's fusion (Retriever.scores, top_n) of the same catalog, for an intent of one part and
+    one of three."""
+    from decoder_service.retrieval import Retriever, Vectors, top_n
+    from shared.bm25 import Bm25Index
+    n, m, dim = (120, 60, 8) if sim else (20_000, 10_000, 384)
+    words = "weather flight hotel money stock news pdf music recipe map".split()
+    index = Bm25Index.build([[words[i % 10], words[i * 7 % 10]] for i in range(n)])
+    unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)  # noqa: E731
+    vectors = Vectors(unit(rng.standard_normal((n, dim))), unit(rng.standard_normal((m, dim))),
+                      np.sort(rng.integers(0, n, m)).astype(np.int32))
+    retriever = Retriever(index, n, vectors, Hashed(dim))
+    out = []
+    for intent in ("the weather in rome", "convert the money first and then check the weather, then a flight"):
+        got = retriever.shortlist(intent, 10)
+        host = retriever.scores(intent)
+        want = top_n(host, 10)
+        if list(got.ids) != list(want) or not np.allclose(got.scores, host[want], rtol=1e-4, atol=1e-4):
+            out.append(f"retriever {intent!r}: {list(got.ids)} vs {list(want)}")
+    return out if retriever.device is not None else ["the retriever did not take the device path"]
 
 
 if __name__ == "__main__":
