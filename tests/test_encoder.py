@@ -379,6 +379,7 @@ def test_cuda_kernels_under_simulator():
     layers = r["launch_counts"]["attention"]               # the encoder bench's launch-by-launch rows
     assert r["launch_total"] == sum(r["launch_counts"].values()) == 2 + 7 * layers and layers >= 1, r
     assert r["launch_counts"]["embed"] == r["launch_counts"]["pool"] == 1 and r["launch_vector_same"], r
+    assert r["launch_label"].startswith(f"{r['graph_rows'][0]} rows, 1 texts"), r   # the request's rows, not the last
 
 
 def _between_chunks(cfg, w, seqs) -> dict:
@@ -438,7 +439,8 @@ def _sim_case() -> dict:
                 alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
                                         and np.array_equal(pair, batch[2:4])),
                 tile_equals_seg=bool(np.array_equal(batch, seg)),
-                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], **_between_chunks(cfg, w, seqs),
+                graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], graph_rows=rows,
+                **_between_chunks(cfg, w, seqs),
                 **_launch_rows(enc, cfg, seqs, alone))
 
 
@@ -448,7 +450,7 @@ def _launch_rows(enc, cfg, seqs, alone) -> dict:
     from decoder_service.encoder.bench import launch_rows
     rows = launch_rows(enc, [[seqs[2]]], repeat=1, samples=1)
     counts = {name.strip(): int(note.split()[0]) for name, _, note in rows[1:]}
-    return dict(launch_counts=counts, launch_total=int(rows[0][2].split()[0]),
+    return dict(launch_counts=counts, launch_total=int(rows[0][2].split()[0]), launch_label=rows[0][0],
                 launch_vector_same=bool(np.array_equal(enc.embed([seqs[2]]), alone)))
 
 

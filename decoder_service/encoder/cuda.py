@@ -16,7 +16,7 @@ import numpy as np
 
 from decoder_service.model.config import ModelError
 from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ldf, pdl_enter
+from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ld8, ldf, pdl_enter
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda  # noqa: E402
@@ -36,11 +36,9 @@ BM = TT * TM                      # k_gemm_tile: rows (and columns) per block
 TILE_OUT = TM * TM                # k_gemm_tile: outputs per thread
 A_TILE = SEG * (BM + 1)           # k_gemm_tile: the activation tile in shared memory, [k][m] padded
 W_TILE = SEG * BM                 # k_gemm_tile: the weight tile, [k][n]
-COLS = 4 if SIM else 32           # k_gemm_seg: columns per block (one per thread of a segment group)
-MS = 2 if SIM else 4              # k_gemm_seg: rows per block
-MAX_SEGS = 8 if SIM else 48       # k_gemm_seg: segments of K (K <= MAX_SEGS * SEG)
-SEG_THREADS = 2 if SIM else 16    # k_gemm_seg: most segment groups per block
-SEG_SUMS = MAX_SEGS * MS * COLS   # k_gemm_seg: the segment sums in shared memory
+RS = 2                            # k_gemm_seg: rows per thread (and per block)
+SEG_THREADS = 16 if SIM else 256  # k_gemm_seg: most threads a block (one segment of K and 8 columns each)
+SEG_SUMS = RS * 8 * (16 if SIM else 256)  # k_gemm_seg: the segment sums in shared memory (SEG_THREADS up to 256)
 ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks
 ATTN_THREADS = WARP               # attention: one warp per (row, head)
 MAX_H = 1024                      # hidden size bound (a row staged in shared memory)
@@ -108,39 +106,77 @@ def k_gemm_tile(a, W, bias, res, out, M, K, N, mode):
                 out[idx] = epilogue(acc[i * TM + j] + bias[n], res, idx, mode)
 
 
+@cuda.jit(device=True, inline="always")
+def fma8(x, w, p):
+    """p[j] + x * w[j] for the 8 columns of a 16-byte weight load (fma, one rounding each)."""
+    return (cuda.fma(x, w[0], p[0]), cuda.fma(x, w[1], p[1]), cuda.fma(x, w[2], p[2]), cuda.fma(x, w[3], p[3]),
+            cuda.fma(x, w[4], p[4]), cuda.fma(x, w[5], p[5]), cuda.fma(x, w[6], p[6]), cuda.fma(x, w[7], p[7]))
+
+
+@cuda.jit(device=True, inline="always")
+def fma64(x, v0, v1, v2, v3, v4, v5, v6, v7, p):
+    """p after 8 ks in ascending order: x the row's 8 activations, v0..v7 the 8 weights of each k (fma8 each)."""
+    p = fma8(x[0], v0, p)
+    p = fma8(x[1], v1, p)
+    p = fma8(x[2], v2, p)
+    p = fma8(x[3], v3, p)
+    p = fma8(x[4], v4, p)
+    p = fma8(x[5], v5, p)
+    p = fma8(x[6], v6, p)
+    return fma8(x[7], v7, p)
+
+
+@cuda.jit(device=True, inline="always")
+def st8(arr, i, p):
+    """arr[i:i + 8] = p."""
+    for j in range(8):
+        arr[i + j] = p[j]
+
+
 @cuda.jit(cache=True)
 def k_gemm_seg(a, W, bias, res, out, M, K, N, mode):
-    """The same outputs as k_gemm_tile, bit for bit, for a few rows: a block owns MS rows x COLS
-    columns and spreads K's segments over its threads (thread (g, c): column c, segments g, g + G, ...),
-    then adds each output's segment sums in ascending order. Grid (N / COLS, ceil(M / MS)), block COLS * G."""
+    """The same outputs as k_gemm_tile, bit for bit, for a few rows: thread (s, g) sums segment s of RS rows x 8
+    columns (16-byte loads: a k's 8 weights, shared by the rows, and a row's 8 activations), then the block adds
+    each output's segment sums in ascending order. A thread has one segment, so a few rows still fill the GPU.
+    Grid (N / (8 G), ceil(M / RS)), block K / SEG * G."""
     pdl_enter()
     sums = cuda.shared.array(SEG_SUMS, nb_f32)   # [segment][row][column]
-    w = cuda.local.array(SEG, nb_f32)
     tid = cuda.threadIdx.x
-    c, g, groups = tid % COLS, tid // COLS, cuda.blockDim.x // COLS
-    n = cuda.blockIdx.x * COLS + c
-    m0 = cuda.blockIdx.y * MS
     nseg = K // SEG
-    for s in range(g, nseg, groups):
-        for kk in range(SEG):      # the segment's weights first: their loads in flight together
-            w[kk] = ldf(W, (s * SEG + kk) * N + n)
-        for i in range(MS):
-            row = min(m0 + i, M - 1) * K + s * SEG
-            p = nb_f32(0)
-            for kk in range(SEG):
-                p = cuda.fma(a[row + kk], w[kk], p)
-            sums[(s * MS + i) * COLS + c] = p
+    groups = cuda.blockDim.x // nseg
+    g, s = tid % groups, tid // groups
+    cols = 8 * groups
+    n0, m0 = cuda.blockIdx.x * cols, cuda.blockIdx.y * RS
+    r0, r1 = min(m0, M - 1) * K + s * SEG, min(m0 + 1, M - 1) * K + s * SEG
+    w0 = s * SEG * N + n0 + 8 * g
+    z = nb_f32(0)
+    p0 = p1 = (z, z, z, z, z, z, z, z)
+    for k in range(0, SEG, 8):     # 8 weight loads and the rows' 8 activations in flight together
+        wk = w0 + k * N
+        v0, v1, v2, v3 = ld8(W, wk), ld8(W, wk + N), ld8(W, wk + 2 * N), ld8(W, wk + 3 * N)
+        v4, v5, v6, v7 = ld8(W, wk + 4 * N), ld8(W, wk + 5 * N), ld8(W, wk + 6 * N), ld8(W, wk + 7 * N)
+        p0 = fma64(ld8(a, r0 + k), v0, v1, v2, v3, v4, v5, v6, v7, p0)
+        p1 = fma64(ld8(a, r1 + k), v0, v1, v2, v3, v4, v5, v6, v7, p1)
+    st8(sums, s * RS * cols + 8 * g, p0)
+    st8(sums, (s * RS + 1) * cols + 8 * g, p1)
     cuda.syncthreads()
-    for e in range(tid, MS * COLS, cuda.blockDim.x):
-        i, cc = e // COLS, e % COLS
+    for e in range(tid, RS * cols, cuda.blockDim.x):
+        i, c = e // cols, e % cols
         m = m0 + i
         if m < M:
             acc = nb_f32(0)
-            for s in range(nseg):
-                acc += sums[(s * MS + i) * COLS + cc]
-            nn = cuda.blockIdx.x * COLS + cc
-            idx = m * N + nn
-            out[idx] = epilogue(acc + bias[nn], res, idx, mode)
+            for t in range(nseg):
+                acc += sums[(t * RS + i) * cols + c]
+            n = n0 + c
+            idx = m * N + n
+            out[idx] = epilogue(acc + bias[n], res, idx, mode)
+
+
+def seg_groups(K: int, N: int) -> int:
+    """k_gemm_seg's column groups a block for K x N: the most that divide N / 8 and keep the block within
+    SEG_THREADS threads (one segment a thread), at least one."""
+    nseg = K // SEG
+    return max(g for g in range(1, N // 8 + 1) if (N // 8) % g == 0 and nseg * g <= SEG_THREADS)
 
 
 @cuda.jit(device=True, inline="always")
@@ -277,9 +313,9 @@ class CudaEncoder:
                  small_rows: int = SMALL_ROWS, graphs: int = GRAPHS):
         H, I = cfg.hidden_size, cfg.intermediate_size
         for what, k in (("hidden_size", H), ("intermediate_size", I)):
-            if k % BM or k % SEG or k // SEG > MAX_SEGS:
+            if k % BM or k % SEG or k // SEG > SEG_THREADS:
                 raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {BM} and at most "
-                                 f"{MAX_SEGS * SEG}")
+                                 f"{SEG_THREADS * SEG}")
         if H > MAX_H or chunk_tokens < cfg.max_seq_length:
             raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
                              f"max_seq_length {cfg.max_seq_length}")
@@ -328,9 +364,10 @@ class CudaEncoder:
                 w, b = self.mats[name]
                 args = dict(a=a, W=w[layer * K * N:(layer + 1) * K * N], bias=b[layer * N:(layer + 1) * N], res=res,
                             out=out, M=M, K=K, N=N, mode=mode)
-                groups = min(K // SEG, SEG_THREADS)
+                groups = seg_groups(K, N)
                 return (Launch(k["encoder.k_gemm_tile"], TT * TT, 0, args, st, f"{name}/tile"),
-                        Launch(k["encoder.k_gemm_seg"], COLS * groups, 0, args, st, f"{name}/seg"), N)
+                        Launch(k["encoder.k_gemm_seg"], K // SEG * groups, 0, args, st, f"{name}/seg"),
+                        N // BM, N // 8 // groups)   # the two kernels' grid columns
 
             def norm(name, x, out):
                 g, b = self.norms[name]
@@ -359,15 +396,14 @@ class CudaEncoder:
                 elif op[0] == "attn":
                     out.append(("attention", lambda op=op: op[1].launch(M, self.cfg.num_heads)))
                 elif small:
-                    out.append((op[1].name, lambda op=op: op[1].launch(op[2] // COLS, -(-M // MS))))
+                    out.append((op[1].name, lambda op=op: op[1].launch(op[3], -(-M // RS))))
                 else:
-                    out.append((op[0].name, lambda op=op: op[0].launch(op[2] // BM, -(-M // BM))))
+                    out.append((op[0].name, lambda op=op: op[0].launch(op[2], -(-M // BM))))
         return out + [("pool", lambda: self.l_pool.launch(B))]
 
     def _enqueue(self, M: int, B: int) -> None:
         """Copy the staged inputs, run the forward pass over M rows of B texts (and the spare rows' text after
         them), copy the B vectors back (all asynchronous on the stream; capturable)."""
-        self.rows.value = M
         s = self.stream
         s.h2d(self.meta, self.meta_host, 2 * M + 2 * B + 2)
         for _, launch in self.launches(M, B):
@@ -376,8 +412,8 @@ class CudaEncoder:
 
     def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int, bool]:
         """Stage the texts' ids, row -> text map and (start, length) pairs; rows past the texts' (up to a graph's
-        row count, when they run in one) are a spare text of [PAD] tokens that no vector is pooled from. Returns
-        (rows, texts, whether a graph runs them)."""
+        row count, when they run in one) are a spare text of [PAD] tokens that no vector is pooled from; `rows` is set
+        to their count. Returns (rows, texts, whether a graph runs them)."""
         lens = np.array([len(q) for q in seqs], np.int32)
         if lens.min() < 1 or lens.max() > self.cfg.max_seq_length:
             raise ValueError(f"token counts must be 1..{self.cfg.max_seq_length}")
@@ -385,6 +421,7 @@ class CudaEncoder:
         M = -(-n // GRAPH_ROWS) * GRAPH_ROWS
         graphed = bool(self.max_graphs) and B <= GRAPH_TEXTS and M <= self.chunk_tokens
         M = M if graphed else n
+        self.rows.value = M
         m = self.meta_host
         m[:n] = np.concatenate(seqs)
         m[n:M] = 0
