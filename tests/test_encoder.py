@@ -371,7 +371,7 @@ def test_cuda_kernels_under_simulator():
     assert r["rel_max"] < 1e-5, r            # float32 arithmetic on the float16-rounded weights
     assert r["norms_ok"], r
     assert r["alone_equals_batch"], "a text's vector changed with its batch (graph replay alone)"
-    assert r["tile_equals_seg"], "k_gemm_tile in two chunks and k_gemm_seg in one gave different bits"
+    assert r["chunks_equal"], "the texts in several chunks and in one gave different bits"
     assert r["graph_replayed"], r
     # a query arriving while a catalog's vectors are encoded waits for the chunk under way, not the whole job
     assert r["long_job_chunks"] == 12 and r["chunks_before_query"] <= 2, r
@@ -425,11 +425,11 @@ def _sim_case() -> dict:
     seqs = random_seqs(np.random.default_rng(6), 4, cfg.vocab_size, cfg.max_seq_length)
     seqs[0] = seqs[0][:1]                                # one token: a row that only sees itself
     seqs[1] = np.resize(seqs[1], cfg.max_seq_length)     # the longest text
-    raw = CudaEncoder(cfg, w, chunk_tokens=cfg.max_seq_length + 8, small_rows=0, graphs=0)
-    batch = raw.embed(seqs)                              # chunks of at most 20 rows, k_gemm_tile, raw launches
+    raw = CudaEncoder(cfg, w, chunk_tokens=cfg.max_seq_length + 8, graphs=0)
+    batch = raw.embed(seqs)                              # chunks of at most 20 rows, raw launches
     ref = ReferenceEncoder(cfg, stored_weights(w)).embed(seqs)
-    seg = CudaEncoder(cfg, w, chunk_tokens=64, small_rows=64, graphs=0).embed(seqs)   # one chunk, k_gemm_seg
-    enc = CudaEncoder(cfg, w, chunk_tokens=64, small_rows=0)
+    whole = CudaEncoder(cfg, w, chunk_tokens=64, graphs=0).embed(seqs)   # one chunk
+    enc = CudaEncoder(cfg, w, chunk_tokens=64)
     alone = enc.embed([seqs[2]])                         # a captured graph, then replayed
     again = enc.embed([seqs[2]])
     pair = enc.embed(seqs[2:4])                          # two texts and spare rows in one graph
@@ -438,7 +438,7 @@ def _sim_case() -> dict:
                 norms_ok=bool(np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-6)),
                 alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
                                         and np.array_equal(pair, batch[2:4])),
-                tile_equals_seg=bool(np.array_equal(batch, seg)),
+                chunks_equal=bool(np.array_equal(batch, whole)),
                 graph_replayed=list(enc.graphs) == [(rows[0], 1), (rows[1], 2)], graph_rows=rows,
                 **_between_chunks(cfg, w, seqs),
                 **_launch_rows(enc, cfg, seqs, alone))
@@ -506,7 +506,7 @@ def test_cuda_encoder_on_real_weights():
     r = _run_child("gpu")
     assert r["rel_max"] < 1e-5, r             # against the reference on the same float16 weights
     assert r["golden_cos_min"] >= 0.99999, r  # float16 weights against sentence-transformers' float32
-    assert r["alone_equals_batch"] and r["tile_equals_seg"], r
+    assert r["alone_equals_batch"] and r["chunks_equal"], r
 
 
 def _gpu_case() -> dict:
@@ -524,13 +524,12 @@ def _gpu_case() -> dict:
     ref_model = ReferenceEncoder(enc.cfg, stored_weights(w))
     ref = np.stack([ref_model.embed([i])[0] for i in ids])
     alone = np.stack([enc.encode([t])[0] for t in texts])
-    tiled = CudaEncoder(enc.cfg, w, small_rows=0).embed(ids)
-    seg = CudaEncoder(enc.cfg, w, small_rows=10 ** 6).embed(ids)
+    chunked = CudaEncoder(enc.cfg, w, chunk_tokens=enc.cfg.max_seq_length, graphs=0).embed(ids)
     cos = (out * want).sum(axis=1) / np.linalg.norm(out, axis=1) / np.linalg.norm(want, axis=1)
     return dict(rel_max=float(rel_errors(out, ref).max()), golden_cos_min=float(cos.min()),
                 golden_abs_max=float(np.abs(out - want).max()),
                 alone_equals_batch=bool(np.array_equal(alone, out)),
-                tile_equals_seg=bool(np.array_equal(tiled, seg) and np.array_equal(tiled, out)))
+                chunks_equal=bool(np.array_equal(chunked, out)))
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Texts packed end to end, float16 weights, float32 sums; a few texts (a request's parts) replay a graph captured
 for their row count rounded up to GRAPH_ROWS (the spare rows a text of their own) and text count. Every GEMM
-output is the same arithmetic in k_gemm_tile and k_gemm_seg (K in SEG segments, fixed order), so a text's
+output is one fixed arithmetic whatever the rows around it (k_gemm: K in SEG segments, fixed order), so a text's
 vector is bit-identical alone or in any batch (docs/encoder.md, "The CUDA pass").
 """
 from __future__ import annotations
@@ -29,20 +29,13 @@ from .weights import EncoderWeights  # noqa: E402
 
 # Under the simulator (one Python thread per CUDA thread) every block is a few threads wide, so the
 # multi-thread and multi-warp paths still run on tiny models.
-SEG = 8 if SIM else 32            # K segment: one fma chain (see the module docstring); k_gemm_tile's K tile
-TT = 4 if SIM else 16             # k_gemm_tile: threads per side of the block
-TM = 2 if SIM else 4              # k_gemm_tile: rows (and columns) per thread
-BM = TT * TM                      # k_gemm_tile: rows (and columns) per block
-TILE_OUT = TM * TM                # k_gemm_tile: outputs per thread
-A_TILE = SEG * (BM + 1)           # k_gemm_tile: the activation tile in shared memory, [k][m] padded
-W_TILE = SEG * BM                 # k_gemm_tile: the weight tile, [k][n]
-RS = 2                            # k_gemm_seg: rows per thread (and per block)
-SEG_THREADS = 16 if SIM else 256  # k_gemm_seg: most threads a block (one segment of K and 8 columns each)
-SEG_SUMS = RS * 8 * (16 if SIM else 256)  # k_gemm_seg: the segment sums in shared memory (SEG_THREADS up to 256)
+SEG = 8 if SIM else 32            # K segment: one fma chain (see the module docstring)
+RS = 2                            # k_gemm: rows per thread (and per block)
+SEG_THREADS = 16 if SIM else 256  # k_gemm: most threads a block (one segment of K and 8 columns each)
+SEG_SUMS = RS * 8 * (16 if SIM else 256)  # k_gemm: the segment sums in shared memory (SEG_THREADS up to 256)
 ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks
 ATTN_THREADS = WARP               # attention: one warp per (row, head)
 MAX_H = 1024                      # hidden size bound (a row staged in shared memory)
-SMALL_ROWS = 256                  # chunks of at most this many rows run their GEMMs in k_gemm_seg
 CHUNK_TOKENS = 16384              # token rows per forward pass (activations ~ 15 KB a row)
 GRAPHS = 64                       # captured graphs kept (one per padded row count and text count)
 GRAPH_ROWS = 4 if SIM else 16     # a graph's rows: the texts' tokens rounded up to a multiple of this
@@ -59,51 +52,6 @@ def epilogue(v, res, idx, mode):
     if mode == MODE_RESIDUAL:
         return v + res[idx]
     return v
-
-
-@cuda.jit(cache=True)
-def k_gemm_tile(a, W, bias, res, out, M, K, N, mode):
-    """out[M, N] = epilogue(a[M, K] @ W[K, N] + bias): a BM x BM block tile, TM x TM outputs a thread,
-    K in shared-memory tiles of SEG. Grid (N / BM, ceil(M / BM)), block TT * TT."""
-    pdl_enter()
-    a_s = cuda.shared.array(A_TILE, nb_f32)      # [k][m], padded: conflict-free stores
-    w_s = cuda.shared.array(W_TILE, nb_f32)      # [k][n]
-    acc = cuda.local.array(TILE_OUT, nb_f32)
-    part = cuda.local.array(TILE_OUT, nb_f32)
-    av = cuda.local.array(TM, nb_f32)
-    wv = cuda.local.array(TM, nb_f32)
-    tid = cuda.threadIdx.x
-    tx, ty = tid % TT, tid // TT
-    m0, n0 = cuda.blockIdx.y * BM, cuda.blockIdx.x * BM
-    for i in range(TM * TM):
-        acc[i] = 0
-    for k0 in range(0, K, SEG):
-        for e in range(tid, BM * SEG, TT * TT):
-            r, c = e // SEG, e % SEG
-            a_s[c * (BM + 1) + r] = a[min(m0 + r, M - 1) * K + k0 + c]
-        for e in range(tid, BM * SEG, TT * TT):
-            r, c = e // BM, e % BM
-            w_s[r * BM + c] = ldf(W, (k0 + r) * N + n0 + c)
-        cuda.syncthreads()
-        for i in range(TM * TM):
-            part[i] = 0
-        for kk in range(SEG):
-            for i in range(TM):
-                av[i] = a_s[kk * (BM + 1) + ty + TT * i]
-                wv[i] = w_s[kk * BM + tx + TT * i]
-            for i in range(TM):
-                for j in range(TM):
-                    part[i * TM + j] = cuda.fma(av[i], wv[j], part[i * TM + j])
-        for i in range(TM * TM):
-            acc[i] += part[i]
-        cuda.syncthreads()
-    for i in range(TM):
-        m = m0 + ty + TT * i
-        if m < M:
-            for j in range(TM):
-                n = n0 + tx + TT * j
-                idx = m * N + n
-                out[idx] = epilogue(acc[i * TM + j] + bias[n], res, idx, mode)
 
 
 @cuda.jit(device=True, inline="always")
@@ -134,10 +82,11 @@ def st8(arr, i, p):
 
 
 @cuda.jit(cache=True)
-def k_gemm_seg(a, W, bias, res, out, M, K, N, mode):
-    """The same outputs as k_gemm_tile, bit for bit, for a few rows: thread (s, g) sums segment s of RS rows x 8
-    columns (16-byte loads: a k's 8 weights, shared by the rows, and a row's 8 activations), then the block adds
-    each output's segment sums in ascending order. A thread has one segment, so a few rows still fill the GPU.
+def k_gemm(a, W, bias, res, out, M, K, N, mode):
+    """out[M, N] = epilogue(a[M, K] @ W[K, N] + bias): thread (s, g) sums segment s of RS rows x 8 columns, each
+    output from zero in ascending k with fma (16-byte loads: a k's 8 weights, shared by the rows, and a row's 8
+    activations); then the block adds each output's segment sums in ascending order, the bias, the epilogue. A
+    thread has one segment, so a few rows still fill the GPU; an output's arithmetic never depends on M.
     Grid (N / (8 G), ceil(M / RS)), block K / SEG * G."""
     pdl_enter()
     sums = cuda.shared.array(SEG_SUMS, nb_f32)   # [segment][row][column]
@@ -173,7 +122,7 @@ def k_gemm_seg(a, W, bias, res, out, M, K, N, mode):
 
 
 def seg_groups(K: int, N: int) -> int:
-    """k_gemm_seg's column groups a block for K x N: the most that divide N / 8 and keep the block within
+    """k_gemm's column groups a block for K x N: the most that divide N / 8 and keep the block within
     SEG_THREADS threads (one segment a thread), at least one."""
     nseg = K // SEG
     return max(g for g in range(1, N // 8 + 1) if (N // 8) % g == 0 and nseg * g <= SEG_THREADS)
@@ -289,7 +238,7 @@ def _signatures() -> dict:
     f32, i32, W = t.Array(t.float32, 1, "C"), t.int32, t.Array(t.float16, 1, "C")
     ai = t.Array(t.int32, 1, "C")
     gemm = (f32, W, f32, f32, f32, i32, i32, i32, i32)
-    kernels = {k_gemm_tile: gemm, k_gemm_seg: gemm,
+    kernels = {k_gemm: gemm,
                k_embed: (ai, i32, W, W, f32, f32, f32, t.float32, i32, f32),
                k_layernorm: (f32, f32, f32, t.float32, i32, f32),
                k_attention: (f32, ai, i32, i32, i32, t.float32, f32),
@@ -310,16 +259,16 @@ class CudaEncoder:
     """embed(token id arrays) -> [n, H] float32 unit vectors, on the GPU (or numba's simulator)."""
 
     def __init__(self, cfg: EncoderConfig, weights: EncoderWeights, chunk_tokens: int = CHUNK_TOKENS,
-                 small_rows: int = SMALL_ROWS, graphs: int = GRAPHS):
+                 graphs: int = GRAPHS):
         H, I = cfg.hidden_size, cfg.intermediate_size
         for what, k in (("hidden_size", H), ("intermediate_size", I)):
-            if k % BM or k % SEG or k // SEG > SEG_THREADS:
-                raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {BM} and at most "
+            if k % SEG or k // SEG > SEG_THREADS:
+                raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {SEG} and at most "
                                  f"{SEG_THREADS * SEG}")
         if H > MAX_H or chunk_tokens < cfg.max_seq_length:
             raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
                              f"max_seq_length {cfg.max_seq_length}")
-        self.cfg, self.chunk_tokens, self.small_rows, self.max_graphs = cfg, chunk_tokens, small_rows, graphs
+        self.cfg, self.chunk_tokens, self.max_graphs = cfg, chunk_tokens, graphs
         self._turns = Turns()      # the staging buffers, the stream and the graphs are one caller's at a time
         self._threads = set()
         self.stream = Stream()
@@ -358,27 +307,29 @@ class CudaEncoder:
                                    beta=beta, eps=eps, H=H, out=self.x), st)
         self.l_pool = Launch(k["encoder.k_pool"], ROW_THREADS, 0,
                              dict(x=self.x, meta=self.meta, M=M, H=H, out=self.emb), st)
-        self.layers = []
+        self.layers = []      # a layer's launches as (name, launch, grid for M rows)
         for layer in range(cfg.num_layers):
             def gemm(name, a, out, K, N, mode, res):
                 w, b = self.mats[name]
                 args = dict(a=a, W=w[layer * K * N:(layer + 1) * K * N], bias=b[layer * N:(layer + 1) * N], res=res,
                             out=out, M=M, K=K, N=N, mode=mode)
                 groups = seg_groups(K, N)
-                return (Launch(k["encoder.k_gemm_tile"], TT * TT, 0, args, st, f"{name}/tile"),
-                        Launch(k["encoder.k_gemm_seg"], K // SEG * groups, 0, args, st, f"{name}/seg"),
-                        N // BM, N // 8 // groups)   # the two kernels' grid columns
+                columns = N // 8 // groups
+                return name, Launch(k["encoder.k_gemm"], K // SEG * groups, 0, args, st, name), \
+                    lambda m: (columns, -(-m // RS))
 
             def norm(name, x, out):
                 g, b = self.norms[name]
-                return Launch(k["encoder.k_layernorm"], ROW_THREADS, 0,
-                              dict(x=x, gamma=g[layer * H:(layer + 1) * H], beta=b[layer * H:(layer + 1) * H], eps=eps,
-                                   H=H, out=out), st)
+                return f"{name} norm", Launch(k["encoder.k_layernorm"], ROW_THREADS, 0,
+                                              dict(x=x, gamma=g[layer * H:(layer + 1) * H],
+                                                   beta=b[layer * H:(layer + 1) * H], eps=eps, H=H, out=out), st), \
+                    lambda m: (m,)
 
             attn = Launch(k["encoder.k_attention"], ATTN_THREADS, 0,
                           dict(qkv=self.qkv, meta=self.meta, M=M, nh=nh, hd=cfg.head_dim,
                                scale=1.0 / math.sqrt(cfg.head_dim), out=self.ctx), st)
-            self.layers.append([gemm("qkv", self.x, self.qkv, H, 3 * H, MODE_PLAIN, self.x), ("attn", attn),
+            self.layers.append([gemm("qkv", self.x, self.qkv, H, 3 * H, MODE_PLAIN, self.x),
+                                ("attention", attn, lambda m: (m, nh)),
                                 gemm("o", self.ctx, self.y, H, H, MODE_RESIDUAL, self.x), norm("attn", self.y, self.x),
                                 gemm("w1", self.x, self.inter, H, I, MODE_GELU, self.x),
                                 gemm("w2", self.inter, self.y, I, H, MODE_RESIDUAL, self.x),
@@ -386,19 +337,10 @@ class CudaEncoder:
 
     def launches(self, M: int, B: int) -> list[tuple[str, object]]:
         """The forward pass over M rows of B texts as (name, enqueue) pairs in launch order (one name a kernel
-        and shape: "embed", "qkv/seg", "attention", ...), for M set in `rows` and the inputs staged."""
+        and shape: "embed", "qkv", "attention", ...), for M set in `rows` and the inputs staged."""
         out = [("embed", lambda: self.l_embed.launch(M))]
-        small = M <= self.small_rows
         for ops in self.layers:
-            for op in ops:
-                if isinstance(op, Launch):
-                    out.append((op.name, lambda op=op: op.launch(M)))
-                elif op[0] == "attn":
-                    out.append(("attention", lambda op=op: op[1].launch(M, self.cfg.num_heads)))
-                elif small:
-                    out.append((op[1].name, lambda op=op: op[1].launch(op[3], -(-M // RS))))
-                else:
-                    out.append((op[0].name, lambda op=op: op[0].launch(op[2], -(-M // BM))))
+            out += [(name, lambda launch=launch, g=grid(M): launch.launch(*g)) for name, launch, grid in ops]
         return out + [("pool", lambda: self.l_pool.launch(B))]
 
     def _enqueue(self, M: int, B: int) -> None:

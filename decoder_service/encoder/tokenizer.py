@@ -25,5 +25,6 @@ def load_tokenizer(model_dir: str | Path, max_seq_length: int) -> Tokenizer:
 
 
 def token_ids(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
-    """One int32 id array per text (at least [CLS] [SEP], also for an empty text)."""
-    return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch(list(texts))]
+    """One int32 id array per text (at least [CLS] [SEP], also for an empty text); without character offsets,
+    which nothing reads (a request's texts in about two thirds of the time)."""
+    return [np.asarray(e.ids, dtype=np.int32) for e in tok.encode_batch_fast(list(texts))]
