@@ -176,10 +176,19 @@ def k_layernorm(x, gamma, beta, eps, H, out):
     layer_norm_staged(xs, s, H, gamma, beta, eps, out, row * H, tid, T, red)
 
 
+@cuda.jit(device=True, inline="always")
+def dot8(x, y, s):
+    """s after the 8 products x[i] * y[i] in ascending i (fma, one rounding each)."""
+    for i in range(8):
+        s = cuda.fma(x[i], y[i], s)
+    return s
+
+
 @cuda.jit(cache=True)
 def k_attention(qkv, meta, M, nh, hd, scale, out):
     """Bidirectional attention of one row and one head over its own text's rows (keys ascending).
-    qkv rows are query | key | value, heads contiguous. Grid (M, nh), block one warp."""
+    qkv rows are query | key | value, heads contiguous (hd a multiple of 8: 16-byte loads of q and k).
+    Grid (M, nh), block one warp."""
     pdl_enter()
     sc = cuda.shared.array(MAX_TOKENS, nb_f32)
     red = cuda.shared.array(32, nb_f32)
@@ -192,8 +201,8 @@ def k_attention(qkv, meta, M, nh, hd, scale, out):
     for j in range(tid, L, T):
         kb = (s0 + j) * 3 * H + H + h * hd
         s = nb_f32(0)
-        for d in range(hd):
-            s = cuda.fma(qkv[qb + d], qkv[kb + d], s)
+        for d in range(0, hd, 8):
+            s = dot8(ld8(qkv, qb + d), ld8(qkv, kb + d), s)
         s *= scale
         sc[j] = s
         mx = max(mx, s)
@@ -204,11 +213,22 @@ def k_attention(qkv, meta, M, nh, hd, scale, out):
         sc[j] = e
         total += e
     total = block_sum(total, red, tid, T // WARP)     # its barrier also publishes sc
+    step = 3 * H
     for d in range(tid, hd, T):
         acc = nb_f32(0)
-        vb = s0 * 3 * H + 2 * H + h * hd + d
-        for j in range(L):
-            acc = cuda.fma(sc[j], qkv[vb + j * 3 * H], acc)
+        vb = s0 * step + 2 * H + h * hd + d
+        j = 0
+        while j + 4 <= L:        # four values' loads in flight, added in the same order
+            v0, v1, v2, v3 = qkv[vb + j * step], qkv[vb + (j + 1) * step], qkv[vb + (j + 2) * step], \
+                qkv[vb + (j + 3) * step]
+            acc = cuda.fma(sc[j], v0, acc)
+            acc = cuda.fma(sc[j + 1], v1, acc)
+            acc = cuda.fma(sc[j + 2], v2, acc)
+            acc = cuda.fma(sc[j + 3], v3, acc)
+            j += 4
+        while j < L:
+            acc = cuda.fma(sc[j], qkv[vb + j * step], acc)
+            j += 1
         out[row * H + h * hd + d] = acc / total
 
 
@@ -265,6 +285,8 @@ class CudaEncoder:
             if k % SEG or k // SEG > SEG_THREADS:
                 raise ModelError(f"cuda encoder: {what} {k} must be a multiple of {SEG} and at most "
                                  f"{SEG_THREADS * SEG}")
+        if cfg.head_dim % 8:
+            raise ModelError(f"cuda encoder: head_dim {cfg.head_dim} must be a multiple of 8")
         if H > MAX_H or chunk_tokens < cfg.max_seq_length:
             raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
                              f"max_seq_length {cfg.max_seq_length}")
