@@ -380,6 +380,7 @@ def test_cuda_kernels_under_simulator():
     assert r["launch_total"] == sum(r["launch_counts"].values()) == 2 + 7 * layers and layers >= 1, r
     assert r["launch_counts"]["embed"] == r["launch_counts"]["pool"] == 1 and r["launch_vector_same"], r
     assert r["launch_label"].startswith(f"{r['graph_rows'][0]} rows, 1 texts"), r   # the request's rows, not the last
+    assert r["timings_kept"], "the bench's JSON lost launch rows of one pass under another's names"
 
 
 def _between_chunks(cfg, w, seqs) -> dict:
@@ -445,12 +446,15 @@ def _sim_case() -> dict:
 
 
 def _launch_rows(enc, cfg, seqs, alone) -> dict:
-    """The encoder bench's launch-by-launch rows of one request: every launch of the pass named once per layer
-    (2 + 7 a layer), and the request's vector unchanged by the launches replayed on its staged inputs."""
-    from decoder_service.encoder.bench import launch_rows
-    rows = launch_rows(enc, [[seqs[2]]], repeat=1, samples=1)
-    counts = {name.strip(): int(note.split()[0]) for name, _, note in rows[1:]}
-    return dict(launch_counts=counts, launch_total=int(rows[0][2].split()[0]), launch_label=rows[0][0],
+    """The encoder bench's launch-by-launch rows of two requests: every launch of a pass named once per layer
+    (2 + 7 a layer), each request's rows under its own pass in the bench's JSON, and the first request's vector
+    unchanged by the launches replayed on its staged inputs."""
+    from decoder_service.encoder.bench import launch_rows, timings
+    rows = launch_rows(enc, [[seqs[2]], seqs[2:4]], repeat=1, samples=1)
+    first = rows[:len(rows) // 2]
+    counts = {name.strip(): int(note.split()[0]) for name, _, note in first[1:]}
+    return dict(launch_counts=counts, launch_total=int(first[0][2].split()[0]), launch_label=first[0][0],
+                timings_kept=len(timings(rows)) == len(rows),
                 launch_vector_same=bool(np.array_equal(enc.embed([seqs[2]]), alone)))
 
 

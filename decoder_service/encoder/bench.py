@@ -88,6 +88,18 @@ def launch_rows(backend, requests: list[list[np.ndarray]], repeat: int = 20,
     return rows
 
 
+def timings(rows: list[tuple[str, float, str]]) -> dict[str, float]:
+    """The rows' seconds by name, a launch row's ("  qkv") under its pass's ("16 rows, 1 texts: ... / qkv")."""
+    out, head = {}, ""
+    for name, s, _ in rows:
+        if name.startswith("  "):
+            name = f"{head} / {name.strip()}"
+        else:
+            head = name
+        out[name] = s
+    return out
+
+
 def counted_calls(enc) -> list[int]:
     """The texts of each backend.embed call from now on (undone by `del enc.backend.embed`)."""
     embed, calls = enc.backend.embed, []
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         from decoder_service.retrieval import intent_parts
         several = next((p for p in map(intent_parts, queries) if len(p) >= 3), None)
         rows += launch_rows(enc.backend, [enc.token_ids(q) for q in (one, several) if q])
-    result["timings_s"] = {name: s for name, s, _ in rows}
+    result["timings_s"] = timings(rows)
     print("RESULT " + json.dumps(result), flush=True)
     print(f"\n{enc.name} on {enc.backend_name}: check rel_max {result['check']['rel_max']:.2e}, "
           f"alone == batch: {result['check']['alone_equals_batch']}")
