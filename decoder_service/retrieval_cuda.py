@@ -15,7 +15,7 @@ import numpy as np
 
 import ctypes
 
-from decoder_service.model.cuda.intrinsics import WARP, ld8, warp_sum
+from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, warp_sum
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
@@ -35,10 +35,7 @@ _S, _X = t.int32, t.float32
 @cuda.jit(device=True, inline="always")
 def _dot8(x, queries, i, s):
     """s plus x . queries[i:i + 8], in ascending order."""
-    q = ld8(queries, i)
-    for e in range(8):
-        s = cuda.fma(x[e], q[e], s)
-    return s
+    return dot8(x, ld8(queries, i), s)
 
 
 @cuda.jit(device=True, inline="always")

@@ -16,7 +16,7 @@ import numpy as np
 
 from decoder_service.model.config import ModelError
 from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, ld8, ldf, pdl_enter
+from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda  # noqa: E402
@@ -174,14 +174,6 @@ def k_layernorm(x, gamma, beta, eps, H, out):
         xs[c] = v
         s += v
     layer_norm_staged(xs, s, H, gamma, beta, eps, out, row * H, tid, T, red)
-
-
-@cuda.jit(device=True, inline="always")
-def dot8(x, y, s):
-    """s after the 8 products x[i] * y[i] in ascending i (fma, one rounding each)."""
-    for i in range(8):
-        s = cuda.fma(x[i], y[i], s)
-    return s
 
 
 @cuda.jit(cache=True)

@@ -458,6 +458,14 @@ else:  # -----------------------------------------------------------------------
 # ---------------------------------------------------------------------------------- device helpers
 
 @cuda.jit(device=True, inline="always")
+def dot8(x, y, s):
+    """s plus the 8 products x[i] * y[i] of two 8-tuples (ld8's), in ascending i (fma, one rounding each)."""
+    for i in range(8):
+        s = cuda.fma(x[i], y[i], s)
+    return s
+
+
+@cuda.jit(device=True, inline="always")
 def block_sum(v, red, tid, nw):
     """Sum over the block: butterfly per warp, then warps in ascending order. Block-uniform call."""
     v = warp_sum(v)
