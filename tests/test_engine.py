@@ -214,6 +214,48 @@ def test_a_versions_tables_are_built_at_load_not_by_its_first_request(engine, to
     engine.run_until_idle()
 
 
+_FIRST_REQUEST = """
+import json, sys
+from pathlib import Path
+from decoder_service.engine import sampler
+from engine_fixtures import answer, make_engine, metatool_trie, tiny_backend
+from shared.tokenizer import ModelTokenizer
+tok = ModelTokenizer(sys.argv[1])
+engine = make_engine(tiny_backend(Path(sys.argv[2]), tok.tokenizer.get_vocab_size(), 1024), tok, 1024)
+helpers = (sampler.forced_edge, sampler.legal_edges, sampler.edge_priors)
+counts = [[len(f.signatures) for f in helpers]]
+rt = engine.load_catalog(metatool_trie(tok, first=12))
+engine.run_until_idle()
+counts.append([len(f.signatures) for f in helpers])
+seq = engine.submit(rt, "what's the weather in Paris and find me a flight", 2)
+engine.run_until_idle()
+answer(seq)
+counts.append([len(f.signatures) for f in helpers])
+print("RESULT " + json.dumps(counts))
+"""
+
+
+def test_a_versions_first_request_compiles_nothing(small_tokenizer_dir, tmp_path):
+    """The sampler's numba helpers are compiled for a version's arrays when it loads (sampler.compile_for): in a
+    fresh process they have their signatures after the load, and the first request adds none. (Compiled on the
+    request's path instead, they cost the bench's first MetaTool query about a second on an H100's host.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    paths = [str(root), str(root / "tests"), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    proc = subprocess.run([sys.executable, "-c", _FIRST_REQUEST, str(small_tokenizer_dir), str(tmp_path)], env=env,
+                          capture_output=True, text=True, timeout=600, cwd=root)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-2000:] + proc.stderr[-4000:]
+    fresh, loaded, served = json.loads(lines[-1][len("RESULT "):])
+    assert fresh == [0, 0, 0] and min(loaded) >= 1, (fresh, loaded)
+    assert served == loaded, f"the first request compiled {served} signatures against {loaded} at load"
+
+
 def test_the_prefix_tail_is_copied_and_released_with_its_version(engine, tok, catalog, monkeypatch):
     """A request prefills only its own rows: the prefix's whole blocks are shared and the K/V of its
     last partial block is copied in; releasing an idle version frees every block it held."""

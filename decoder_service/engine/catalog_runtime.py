@@ -14,6 +14,7 @@ from functools import cached_property
 
 import numpy as np
 
+from decoder_service.engine.sampler import compile_for
 from decoder_service.retrieval import Retriever
 from shared.prompt import PromptTemplate
 from shared.tokenizer import ModelTokenizer
@@ -45,11 +46,13 @@ class CatalogRuntime:
         return rt
 
     def build_tables(self) -> None:
-        """Build every table below that is taken once (each cached_property) now: at load, off every request's
-        path, so that a version's first request costs what any other does (issue 30's swap)."""
+        """Build every table below that is taken once (each cached_property) now, and compile the sampler's helpers
+        for them: at load, off every request's path, so that a version's first request costs what any other does
+        (issue 30's swap)."""
         for name, attr in vars(type(self)).items():
             if isinstance(attr, cached_property):
                 getattr(self, name)
+        compile_for(self)
 
     @property
     def key(self) -> tuple[str, int]:

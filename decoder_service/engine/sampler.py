@@ -89,6 +89,19 @@ def edge_priors(edges, edge_lo, edge_hi, emitted, n_emitted, allow, prior):
     return out
 
 
+def compile_for(catalog) -> None:
+    """Compile the helpers above for a catalog version's array types now, where it is loaded: numba compiles on a
+    first call (about a second on a GPU's host, ~150 ms even from its disk cache), which its first request would
+    otherwise wait for. The arguments' types are a request's: Python ints, int32 arrays, a bool, float32 priors."""
+    t = catalog.trie
+    emitted, allow, prior = np.full(1, -1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.float32)
+    forced_edge(0, *catalog.node_span, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, emitted, 0, 1, allow,
+                False)
+    edges = np.empty(int(t.node_edge_start[1] - t.node_edge_start[0]), np.int32)
+    n = legal_edges(0, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, emitted, 0, 1, allow, False, edges)
+    edge_priors(edges[:n], t.edge_lo, t.edge_hi, emitted, 0, allow, prior)
+
+
 def select(logits: np.ndarray, tokens: np.ndarray, bias: np.ndarray | None = None) -> tuple[int, float]:
     """(index of the winner, its log-probability under the softmax over these candidates).
 
@@ -174,4 +187,5 @@ class HostSampler:
         return picks
 
 
-__all__ = ["HostSampler", "Pick", "edge_prior", "edge_priors", "forced_edge", "legal_edges", "select", "SEP", "STOP"]
+__all__ = ["HostSampler", "Pick", "compile_for", "edge_prior", "edge_priors", "forced_edge", "legal_edges", "select",
+           "SEP", "STOP"]
