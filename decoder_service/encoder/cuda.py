@@ -32,7 +32,7 @@ from .weights import EncoderWeights  # noqa: E402
 SEG = 8 if SIM else 32            # K segment: one fma chain (see the module docstring)
 RS = 2                            # k_gemm: rows per thread (and per block)
 SEG_THREADS = 16 if SIM else 256  # k_gemm: most threads a block (one segment of K and 8 columns each)
-SEG_SUMS = RS * 8 * (16 if SIM else 256)  # k_gemm: the segment sums in shared memory (SEG_THREADS up to 256)
+SEG_SUMS = RS * 8 * SEG_THREADS   # k_gemm: the segment sums in shared memory (a block's RS x 8 per thread)
 ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks
 ATTN_THREADS = WARP               # attention: one warp per (row, head)
 MAX_H = 1024                      # hidden size bound (a row staged in shared memory)
