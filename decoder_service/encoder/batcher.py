@@ -22,9 +22,10 @@ class _Call:
 
 class Batcher:
     """A backend's `embed` (token id arrays -> vectors) shared by concurrent callers. A caller that finds no batch
-    running runs its own texts and those of every caller waiting, in one call; the others wait for their rows. Alone,
-    a caller runs its own call at once. A text's vector is the same bits in any batch (the encoders' contract), so whom a
-    request shares a call with never shows in its answer; one call of many texts costs far less than many calls."""
+    running runs its own texts and those of every caller waiting, in one call; the others wait for their rows.
+    Alone, a caller runs its own call at once. A text's vector is the same bits in any batch (the encoders'
+    contract), so whom a request shares a call with never shows in its answer; one call of many texts costs far
+    less than many calls."""
 
     def __init__(self, backend):
         self._backend = backend

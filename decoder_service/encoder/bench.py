@@ -49,19 +49,23 @@ def median_s(fn, repeat: int) -> float:
 
 
 def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, float, str]]:
-    """Median seconds to embed a request's parts, over the queries with one part and with several."""
+    """Median seconds to tokenize a request's parts, over all the queries; to embed them, over the queries with one
+    part and with several."""
     from decoder_service.retrieval import intent_parts
-    requests = [enc.token_ids(intent_parts(q)) for q in queries]
+    parts = [intent_parts(q) for q in queries]
+    requests = [enc.token_ids(p) for p in parts]
     for r in requests:
         enc.backend.embed(r)
+    tokenizing = [median_s(lambda p=p: enc.token_ids(p), repeat) for p in parts]
     times = {True: [], False: []}
     for _ in range(repeat):
         for r in requests:
             t = time.perf_counter()
             enc.backend.embed(r)
             times[len(r) == 1].append(time.perf_counter() - t)
-    return [(f"a request, {what} ({len(times[one]) // repeat})", float(np.median(times[one])), "parts, no tokenizing")
-            for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
+    return [(f"a request, tokenizing ({len(parts)})", float(np.median(tokenizing)), "its parts' token ids")] + [
+        (f"a request, {what} ({len(times[one]) // repeat})", float(np.median(times[one])), "parts, no tokenizing")
+        for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
 
 
 def launch_rows(backend, requests: list[list[np.ndarray]], repeat: int = 20,

@@ -30,7 +30,7 @@ from .weights import EncoderWeights  # noqa: E402
 # Under the simulator (one Python thread per CUDA thread) every block is a few threads wide, so the
 # multi-thread and multi-warp paths still run on tiny models.
 SEG = 8 if SIM else 32            # K segment: one fma chain (see the module docstring)
-RS = 2                            # k_gemm: rows per thread (and per block)
+RS = 2                            # k_gemm: rows per thread and per block (the kernel's p0 and p1)
 SEG_THREADS = 16 if SIM else 256  # k_gemm: most threads a block (one segment of K and 8 columns each)
 SEG_SUMS = RS * 8 * SEG_THREADS   # k_gemm: the segment sums in shared memory (a block's RS x 8 per thread)
 ROW_THREADS = 2 * WARP if SIM else 128   # LayerNorm, embedding and pooling blocks

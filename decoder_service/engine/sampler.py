@@ -91,8 +91,8 @@ def edge_priors(edges, edge_lo, edge_hi, emitted, n_emitted, allow, prior):
 
 def compile_for(catalog) -> None:
     """Compile the helpers above for a catalog version's array types now, where it is loaded: numba compiles on a
-    first call (about a second on a GPU's host, ~150 ms even from its disk cache), which its first request would
-    otherwise wait for. The arguments' types are a request's: Python ints, int32 arrays, a bool, float32 priors."""
+    first call, which its first request would otherwise wait for (1.8 s on 2 cores from an empty cache, P111). The
+    arguments' types are a request's: Python ints, int32 arrays, a bool, float32 priors."""
     t = catalog.trie
     emitted, allow, prior = np.full(1, -1, np.int32), np.zeros(1, np.int32), np.zeros(1, np.float32)
     forced_edge(0, *catalog.node_span, t.node_edge_start, t.edge_child, t.edge_lo, t.edge_hi, emitted, 0, 1, allow,
