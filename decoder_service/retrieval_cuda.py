@@ -1,9 +1,9 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
-A version's tool and request vectors stay on the device (float16); k_fuse (a warp a tool: its best cosine with
-the intent's parts), the requests' votes (k_fuse over the requests, a two-level k_best for the nearest, k_vote),
-k_add (BM25) and a two-level k_best (bitonic sorts in shared memory) leave only n ids and scores for the host, in
-retrieval.top_n's order, the same in any order of requests (P78, P107).
+A version's tool and request vectors stay on the device (float16, run-major); k_fuse (a thread a tool: its best
+cosine with the intent's parts), the requests' votes (k_fuse over the requests, a two-level k_best for the nearest,
+k_vote), k_add (BM25) and a two-level k_best (bitonic sorts in shared memory) leave only n ids and scores for the
+host, in retrieval.top_n's order, the same in any order of requests (P78, P107, P112).
 """
 from __future__ import annotations
 
@@ -15,13 +15,13 @@ import numpy as np
 
 import ctypes
 
-from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, warp_sum
+from decoder_service.model.cuda.intrinsics import dot8, ld8
 from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
-WARPS = 8                   # tools per k_fuse block (a warp each: 4 lanes under the simulator, intrinsics.WARP)
+FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a tool
 SORT = 64 if SIM else 1024  # entries a k_best block sorts at once (and its first level's slice)
 THREADS = SORT // 2         # k_best's block: a thread a pair
 MAX_N = 48 if SIM else 64   # longest shortlist the device path serves (longer: the host's); below SORT
@@ -33,43 +33,58 @@ _S, _X = t.int32, t.float32
 
 
 @cuda.jit(device=True, inline="always")
-def _dot8(x, queries, i, s):
-    """s plus x . queries[i:i + 8], in ascending order."""
-    return dot8(x, ld8(queries, i), s)
+def _start(p, parts):
+    """Part p's sum before the first run: 0, or -inf where the intent has fewer parts (never the best)."""
+    return numba.float32(0.0) if p < parts else numba.float32(-math.inf)
 
 
 @cuda.jit(device=True, inline="always")
 def _part(x, queries, i, s, p, parts):
-    """_dot8 for part p, s as it is where the intent has fewer parts."""
-    return _dot8(x, queries, i, s) if p < parts else s
+    """s plus x . queries[i:i + 8] (ascending) for part p, s as it is where the intent has fewer parts."""
+    return dot8(x, ld8(queries, i), s) if p < parts else s
+
+
+@cuda.jit(device=True, inline="always")
+def _run(x, queries, j, dim, parts, s):
+    """Each part's sum in s plus x . that part's queries[j:j + 8] (x a tool's dimensions j..j + 7)."""
+    return (dot8(x, ld8(queries, j), s[0]), _part(x, queries, dim + j, s[1], 1, parts),
+            _part(x, queries, 2 * dim + j, s[2], 2, parts), _part(x, queries, 3 * dim + j, s[3], 3, parts),
+            _part(x, queries, 4 * dim + j, s[4], 4, parts), _part(x, queries, 5 * dim + j, s[5], 5, parts),
+            _part(x, queries, 6 * dim + j, s[6], 6, parts), _part(x, queries, 7 * dim + j, s[7], 7, parts))
 
 
 @cuda.jit(cache=not SIM)
 def k_fuse(vectors, dim, n, queries, parts, a, k0, out):
-    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, one warp per tool: lanes stride
-    the vector in runs of 8 (one 16-byte load each, read once for every part, a sum a part), then the warp's fixed
-    butterfly sum of each part's (dim a multiple of 8)."""
-    lane = cuda.threadIdx.x % WARP
-    tool = cuda.blockIdx.x * WARPS + cuda.threadIdx.x // WARP
+    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, a thread a tool. vectors is
+    run-major (run_major: a warp's loads of one run of 8 dimensions are 32 tools' consecutive 16 bytes); a tool's
+    runs are read once for every part, four loads in flight, each part's sum ascending over the dimensions."""
+    tool = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if tool >= n:
         return
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = numba.float32(0.0)
-    for j in range(lane * 8, dim, WARP * 8):
-        x = ld8(vectors, tool * dim + j)
-        s0 = _dot8(x, queries, j, s0)
-        s1 = _part(x, queries, dim + j, s1, 1, parts)
-        s2 = _part(x, queries, 2 * dim + j, s2, 2, parts)
-        s3 = _part(x, queries, 3 * dim + j, s3, 3, parts)
-        s4 = _part(x, queries, 4 * dim + j, s4, 4, parts)
-        s5 = _part(x, queries, 5 * dim + j, s5, 5, parts)
-        s6 = _part(x, queries, 6 * dim + j, s6, 6, parts)
-        s7 = _part(x, queries, 7 * dim + j, s7, 7, parts)
-    best = warp_sum(s0)
-    for p, v in enumerate((s1, s2, s3, s4, s5, s6, s7)):
-        if p + 1 < parts:
-            best = max(best, warp_sum(v))
-    if lane == 0:
-        out[tool] = a * best + k0
+    s = (numba.float32(0.0), _start(1, parts), _start(2, parts), _start(3, parts), _start(4, parts),
+         _start(5, parts), _start(6, parts), _start(7, parts))
+    at, step = tool * 8, n * 8
+    j = 0
+    while j + 32 <= dim:
+        x0, x1, x2, x3 = ld8(vectors, at), ld8(vectors, at + step), ld8(vectors, at + 2 * step), \
+            ld8(vectors, at + 3 * step)
+        s = _run(x3, queries, j + 24, dim, parts, _run(x2, queries, j + 16, dim, parts, _run(
+            x1, queries, j + 8, dim, parts, _run(x0, queries, j, dim, parts, s))))
+        at += 4 * step
+        j += 32
+    while j < dim:
+        s = _run(ld8(vectors, at), queries, j, dim, parts, s)
+        at += step
+        j += 8
+    best = max(max(max(s[0], s[1]), max(s[2], s[3])), max(max(s[4], s[5]), max(s[6], s[7])))
+    out[tool] = a * best + k0
+
+
+def run_major(vectors: np.ndarray) -> np.ndarray:
+    """float16 [n, dim] (dim a multiple of 8) as k_fuse reads it, flat: run r of tool t (its dimensions
+    8r..8r + 7) at (r * n + t) * 8."""
+    n, dim = vectors.shape
+    return np.ascontiguousarray(np.asarray(vectors, np.float16).reshape(n, dim // 8, 8).transpose(1, 0, 2)).ravel()
 
 
 @cuda.jit(cache=not SIM)
@@ -155,7 +170,7 @@ class DeviceScorer:
             raise ValueError(f"k_fuse reads vectors in runs of 8, not a dimension of {dim}")
         self.n, self.dim = n, dim
         self.stream = Stream()
-        self.vectors = cuda.to_device(np.ascontiguousarray(vectors, np.float16).ravel())
+        self.vectors = cuda.to_device(run_major(vectors))
         self.queries = cuda.device_array(MAX_PARTS * dim, np.float32)
         self.scores = cuda.device_array(n, np.float32)
         self.no_ids = cuda.device_array(0, np.int32)
@@ -169,7 +184,7 @@ class DeviceScorer:
         self.a, self.k0, self.c, self.weight = (Scalar(ctypes.c_float) for _ in range(4))
         self.m, self.top, self.parts = (Scalar(ctypes.c_int32) for _ in range(3))
         k, h = Kernels.get(), self.stream.handle
-        self.fuse = Launch(k.fuse, WARPS * WARP, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
+        self.fuse = Launch(k.fuse, FUSE_THREADS, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
                                                          parts=self.parts, a=self.a, k0=self.k0, out=self.scores), h)
         self.add = Launch(k.add, 256, 0, dict(ids=self.matched_ids, values=self.matched_values, m=self.m, c=self.c,
                                               out=self.scores), h)
@@ -178,10 +193,10 @@ class DeviceScorer:
         if voters is not None and len(voters[1]):
             requests, owner = voters
             count = min(NEIGHBOURS, len(owner))
-            self.requests = cuda.to_device(np.ascontiguousarray(requests, np.float16).ravel())
+            self.requests = cuda.to_device(run_major(requests))
             self.request_scores = cuda.device_array(len(owner), np.float32)
             self.owner = cuda.to_device(np.ascontiguousarray(owner, np.int32))
-            self.request_fuse = Launch(k.fuse, WARPS * WARP, 0, dict(
+            self.request_fuse = Launch(k.fuse, FUSE_THREADS, 0, dict(
                 vectors=self.requests, dim=dim, n=len(owner), queries=self.queries, parts=self.parts, a=1.0, k0=0.0,
                 out=self.request_scores), h)
             self.nearest = Best(self.request_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.no_ids, h)
@@ -210,9 +225,9 @@ class DeviceScorer:
             s.h2d(self.queries, self.host_queries, queries.size)
             s.h2d(self.matched_ids, self.host_ids, m)
             s.h2d(self.matched_values, self.host_values, m)
-            self.fuse.launch(-(-self.n // WARPS))
+            self.fuse.launch(-(-self.n // FUSE_THREADS))
             if self.vote is not None and vote_weight:
-                self.request_fuse.launch(-(-len(self.owner) // WARPS))
+                self.request_fuse.launch(-(-len(self.owner) // FUSE_THREADS))
                 self.nearest.launch()
                 self.vote.launch(1)
             if m:

@@ -28,7 +28,7 @@ def main() -> None:
     from decoder_service.retrieval import NEIGHBOURS, VOTE_TEMPERATURE, top_n
     from decoder_service.retrieval_cuda import SIM, DeviceScorer
     rng = np.random.default_rng(3)
-    n, dim, m = (150, 8, 40) if SIM else (100_000, 384, 50_000)   # SIM: k_best merges 3 blocks in chunks
+    n, dim, m = (150, 40, 40) if SIM else (100_000, 384, 50_000)   # SIM: k_best merges 3 blocks; k_fuse unrolled + tail
     vectors = rng.standard_normal((n, dim)).astype(np.float16)
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
     requests = rng.standard_normal((m, dim)).astype(np.float16)
@@ -38,7 +38,7 @@ def main() -> None:
     for case, (top, matched, parts, vote) in enumerate([(20, 0, 1, 0.0), (10, 25, 3, 0.0), (1, 3, 2, 0.0),
                                                         (40, n // 3, 8, 0.0), (20, n, 1, 0.0), (20, 25, 1, 2.0),
                                                         (10, n // 3, 3, 0.5)]):
-        axes = [(case + p) % dim for p in range(parts)]
+        axes = [(7 * case + 5 * p) % dim for p in range(parts)]   # distinct, in the unrolled runs and the tail
         queries = np.zeros((parts, dim), np.float32)
         queries[np.arange(parts), axes] = 1.0              # each cosine is one exact product
         ids = np.sort(rng.choice(n, matched, replace=False)).astype(np.int32)
