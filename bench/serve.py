@@ -116,8 +116,12 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
            "shortlist": percentiles(times),
            "encode_intent": percentiles([seconds(lambda q=q: encoder.encode([q.intent])) for q in queries]),
            "encode_parts": percentiles([seconds(lambda q=q: encoder.encode(intent_parts(q.intent))) for q in queries])}
-    if retriever.device is not None:      # the device scorer alone, its inputs computed beforehand
-        args = [retriever.scorer_args(q.intent, size) for q in queries]
+    if retriever.device is not None:      # the device scorer alone, its inputs computed beforehand (the dense
+        args = []                         # term unstandardised: the same launches, the same time)
+        for q in queries:
+            ids, values, c, shift = retriever.lexical(q.intent)
+            args.append((encoder.encode(intent_parts(q.intent)), 1.0, -shift, (ids, values), c, size,
+                         retriever.vote_weight))
         out["device_score"] = percentiles([seconds(lambda a=a: retriever.device.shortlist(*a)) for a in args])
     log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, "
         f"shortlist p50 {out['shortlist']['p50_ms']:.3f} ms (encoding the intent {out['encode_intent']['p50_ms']:.3f} "

@@ -169,10 +169,7 @@ class Retriever:
         if encoder is not None and encoder.backend_name == "cuda":
             from decoder_service.retrieval_cuda import MAX_N, DeviceScorer
             voters = (vectors.requests, vectors.owner) if self.vote_weight else None
-            self.device, self.device_max = DeviceScorer(vectors.tools, voters), MAX_N
-            # the cosines' mean and second moment over every tool, for any vector q: mean @ q and q @ gram @ q
-            tools = vectors.tools.astype(np.float64)
-            self.mean, self.gram = tools.mean(axis=0), tools.T @ tools / len(tools)
+            self.device, self.device_max = DeviceScorer(vectors.tools, voters, encoder.backend), MAX_N
 
     def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:
         """float32 [tools]: every tool's fused score (-inf for a tool the allowlist leaves out)."""
@@ -208,31 +205,26 @@ class Retriever:
 
     def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
         """The n best tools for the intent among those allowed (all when allow is None), best first; on a
-        GPU the whole catalog is scored on the device."""
+        GPU the whole catalog is scored on the device, behind the intent's encoder pass."""
         started = time.perf_counter()
         n = min(n, self.size if allow is None else len(allow))
         if self.device is not None and allow is None and n <= self.device_max:
-            ids, scores = self.device.shortlist(*self.scorer_args(intent, n))
+            ids, scores = self.device.retrieve(self.encoder.token_ids(intent_parts(intent)), self.dense_weight,
+                                               lambda: self.lexical(intent), n, self.vote_weight)
         else:
             fused = self.scores(intent, allow)
             ids = top_n(fused, n)
             scores = fused[ids]
         return Shortlist(ids, scores, time.perf_counter() - started)
 
-    def scorer_args(self, intent: str, n: int) -> tuple:
-        """The device scorer's arguments for `scores`' fusion over every tool, as a*dense + k0 + c*bm25 + the
-        requests' votes: the intent's parts encoded, the cosines' mean and spread from the precomputed moments,
-        BM25's from the matched tools (the others score 0)."""
-        parts = self.encoder.encode(intent_parts(intent))
-        q = parts[0]
+    def lexical(self, intent: str) -> tuple[np.ndarray, np.ndarray, float, float]:
+        """BM25's side of `scores`' fusion over every tool, for the device: (ids, values) of the tools it
+        matched (the others score 0), and (c, shift) with c * bm25 - shift its standardised, weighted term."""
         ids, values = self.index.matched(intent, self.size)
-        md = float(self.mean @ q)
-        sd = math.sqrt(max(float(q @ self.gram @ q) - md * md, 0.0))
-        mb = float(values.sum(dtype=np.float64)) / self.size
-        sb = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mb * mb, 0.0))
-        a = self.dense_weight / sd if sd > 0 else 0.0
-        c = (1.0 - self.dense_weight) / sb if sb > 0 else 0.0
-        return parts, a, -a * md - c * mb, (ids, values), c, n, self.vote_weight
+        mean = float(values.sum(dtype=np.float64)) / self.size
+        sd = math.sqrt(max(float((values.astype(np.float64) ** 2).sum()) / self.size - mean * mean, 0.0))
+        c = (1.0 - self.dense_weight) / sd if sd > 0 else 0.0
+        return ids, values, c, c * mean
 
 
 def standardised(x: np.ndarray, keep: np.ndarray, by: np.ndarray | None = None) -> np.ndarray:

@@ -62,33 +62,38 @@ def main() -> None:
     print("RESULT " + json.dumps({"cases": cases + 1, "mismatches": mismatches}))
 
 
-class Hashed:
-    """An encoder stand-in on the GPU path: a fixed unit vector a text."""
-    backend_name, digest = "cuda", "hashed"
+def tiny_cuda_encoder(sim: bool):
+    """A tiny random BERT (tests/test_encoder.py's) on the CUDA backend (under the simulator too, which
+    load_encoder refuses): the device path encodes the intent itself."""
+    import tempfile
+    from pathlib import Path
 
-    def __init__(self, dim: int):
-        self.dim = dim
-
-    def encode(self, texts):
-        v = np.stack([np.random.default_rng(sum(map(ord, t))).standard_normal(self.dim) for t in texts])
-        return (v / np.linalg.norm(v, axis=1, keepdims=True)).astype(np.float32)
+    from decoder_service.encoder import Encoder, EncoderConfig
+    from decoder_service.encoder.cuda import CudaEncoder
+    from decoder_service.encoder.weights import load_weights
+    from test_encoder import write_tiny_model
+    shape = {} if sim else dict(hidden_size=64, intermediate_size=128)   # the GPU's K segments are 32 wide
+    d = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", **shape)
+    cfg = EncoderConfig.from_dir(d)
+    return Encoder(d, cfg, CudaEncoder(cfg, load_weights(d, cfg)), "cuda", "tiny", "tiny")
 
 
 def through_the_retriever(rng, sim: bool) -> list[str]:
-    """Retriever.shortlist on the device (its scorer_args: the intent's parts, the moments, BM25's matches, the
-    vote) against the host's fusion (Retriever.scores, top_n) of the same catalog, for an intent of one part and
-    one of three."""
+    """Retriever.shortlist on the device (the intent's parts encoded there, the moments and the coefficients
+    computed there, BM25's matches from the host, the vote) against the host's fusion (Retriever.scores, top_n)
+    of the same catalog and encoder, for an intent of one part and one of three."""
     from decoder_service.retrieval import Retriever, Vectors, top_n
     from shared.bm25 import Bm25Index
-    n, m, dim = (120, 60, 8) if sim else (20_000, 10_000, 384)
+    encoder = tiny_cuda_encoder(sim)
+    n, m, dim = (120, 60, encoder.dim) if sim else (20_000, 10_000, encoder.dim)
     words = "weather flight hotel money stock news pdf music recipe map".split()
     index = Bm25Index.build([[words[i % 10], words[i * 7 % 10]] for i in range(n)])
     unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)  # noqa: E731
     vectors = Vectors(unit(rng.standard_normal((n, dim))), unit(rng.standard_normal((m, dim))),
                       np.sort(rng.integers(0, n, m)).astype(np.int32))
-    retriever = Retriever(index, n, vectors, Hashed(dim))
+    retriever = Retriever(index, n, vectors, encoder)
     out = []
-    for intent in ("the weather in rome", "convert the money first and then check the weather, then a flight"):
+    for intent in ("the weather in rome", "convert the pdf to text and then search a flight, then book a hotel"):
         got = retriever.shortlist(intent, 10)
         host = retriever.scores(intent)
         want = top_n(host, 10)

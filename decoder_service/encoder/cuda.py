@@ -283,7 +283,7 @@ class CudaEncoder:
             raise ModelError(f"cuda encoder: hidden_size {H} > {MAX_H} or chunk_tokens {chunk_tokens} < "
                              f"max_seq_length {cfg.max_seq_length}")
         self.cfg, self.chunk_tokens, self.max_graphs = cfg, chunk_tokens, graphs
-        self._turns = Turns()      # the staging buffers, the stream and the graphs are one caller's at a time
+        self.turns = Turns()       # the staging buffers, the stream and the graphs are one caller's at a time
         self._threads = set()
         self.stream = Stream()
         R = B = chunk_tokens
@@ -395,14 +395,29 @@ class CudaEncoder:
         self.graphs[M, B] = g
         return g
 
+    def bind_thread(self) -> None:
+        """Make the context current in this thread, once (the raw driver calls need it)."""
+        if not SIM and threading.get_ident() not in self._threads:
+            cuda.current_context()
+            self._threads.add(threading.get_ident())
+
+    def enqueue(self, seqs: list[np.ndarray]):
+        """The forward pass of a few texts (GRAPH_TEXTS at most, one graph) enqueued on the stream and not waited
+        for: their vectors are emb[:len(seqs) * H] once it has run. Only in the caller's turn (`with turns:`), which
+        it keeps until then (the device shortlist enqueues its work behind it)."""
+        self.bind_thread()
+        M, B, graphed = self._stage(seqs)
+        if not graphed:
+            raise ValueError(f"{len(seqs)} texts of {M} token rows do not run in one graph")
+        self._graph(M, B).replay()
+        return self.emb
+
     def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
         H = self.cfg.hidden_size
         out = np.zeros((len(seqs), H), np.float32)
-        if not SIM and threading.get_ident() not in self._threads:
-            cuda.current_context()     # the raw driver calls need the context current in this thread
-            self._threads.add(threading.get_ident())
+        self.bind_thread()
         for a, b in chunks(seqs, self.chunk_tokens):
-            with self._turns:      # a chunk at a time: a request waits for one chunk of a version's vectors, not all
+            with self.turns:       # a chunk at a time: a request waits for one chunk of a version's vectors, not all
                 M, B, graphed = self._stage(seqs[a:b])
                 if graphed:
                     self._graph(M, B).replay()
