@@ -196,6 +196,66 @@ def test_tokenizer_adds_cls_sep_truncates_and_never_pads(tiny):
     assert empty.tolist() == [2, 3] and short.dtype == np.int32
 
 
+def test_word_pieces_give_the_tokenizers_ids_for_what_users_type(tiny, tmp_path):
+    """WordPieces (the encoder's own split of printable ASCII) against `tokenizers` itself: known words, their
+    pieces, unknown and overlong words, punctuation, digits, capitals, spacing, a special token's text, accents
+    and control characters (those go to `tokenizers`), the cut at max_seq_length; and a tokenizer.json that is not
+    BERT's lower-casing WordPiece goes to `tokenizers` for every text."""
+    from decoder_service.encoder.tokenizer import WordPieces, load_tokenizer, token_ids
+
+    d, cfg, _ = tiny
+    tok = load_tokenizer(d, cfg.max_seq_length)
+    tok.add_special_tokens(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])   # as the real tokenizer.json has them
+    pieces = WordPieces(tok, cfg.max_seq_length)
+    rng = np.random.default_rng(5)
+    parts = WORDS + ["Weather", "booking", "finders", "xyzzy", "a" * 101, "42", "3.5", "rome's", "(pdf)", "--",
+                     "[MASK]", "[mask]", "café", "tab\there", "new\nline", "\x0bvt", "  ", "WEATHER-forecast",
+                     "e-mail", "~`^"]
+    texts = ["", " ", "Get the weather", "get  the\tweather", " ".join(WORDS) * 2] + [
+        " ".join(rng.choice(parts, rng.integers(1, 9))) for _ in range(300)]
+    assert pieces.splits
+    for text in texts:
+        assert pieces([text])[0].tolist() == token_ids(tok, [text])[0].tolist(), text
+    printable = [t for t in texts if t.isascii() and t.isprintable()]
+    got = pieces(printable)
+    assert all(g.dtype == np.int32 for g in got)
+    assert [g.tolist() for g in got] == [w.tolist() for w in token_ids(tok, printable)]
+    cased = tmp_path / "cased"
+    cased.mkdir()
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["normalizer"]["lowercase"] = False
+    (cased / "tokenizer.json").write_text(json.dumps(spec))
+    other = load_tokenizer(cased, cfg.max_seq_length)
+    assert not WordPieces(other, cfg.max_seq_length).splits
+    assert WordPieces(other, cfg.max_seq_length)(["Get the Weather"])[0].tolist() == \
+        token_ids(other, ["Get the Weather"])[0].tolist()
+
+
+@needs_model
+def test_word_pieces_give_the_tokenizers_ids_for_every_data_set_text():
+    """The real tokenizer: every text of ../shared/data's catalogs and queries, the same ids both ways."""
+    from decoder_service.encoder.tokenizer import WordPieces, load_tokenizer, token_ids
+    from shared.dataset import data_dir
+
+    texts = set()
+
+    def walk(x):
+        if isinstance(x, str):
+            texts.add(x)
+        elif isinstance(x, (dict, list)):
+            for v in (x.values() if isinstance(x, dict) else x):
+                walk(v)
+
+    for f in sorted(data_dir().rglob("*.json*")):
+        for line in f.read_text().splitlines() if f.suffix == ".jsonl" else [f.read_text()]:
+            walk(json.loads(line))
+    tok = load_tokenizer(MODEL_DIR, 256)
+    texts = sorted(texts)
+    assert len(texts) > 20_000
+    pieces = WordPieces(tok, 256)
+    assert [pieces([t])[0].tolist() for t in texts] == [w.tolist() for w in token_ids(tok, texts)]
+
+
 # --- reference and CPU on a tiny random model ------------------------------------------------------
 
 def test_reference_padding_is_invisible(tiny):

@@ -9,7 +9,7 @@ from decoder_service.model.backend import resolve_backend
 
 from .batcher import Batcher
 from .config import EncoderConfig
-from .tokenizer import load_tokenizer, token_ids
+from .tokenizer import WordPieces, load_tokenizer
 from .weights import digest, load_weights
 
 # Calls of up to this many texts (a request's intent and its clauses) share one encoder call with those that arrive
@@ -31,6 +31,7 @@ class Encoder:
         self.backend, self.backend_name = backend, backend_name
         self.name, self.digest = name, digest
         self.tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
+        self._ids = WordPieces(self.tokenizer, cfg.max_seq_length)
         self._batcher = Batcher(backend)
 
     @property
@@ -38,7 +39,7 @@ class Encoder:
         return self.cfg.hidden_size
 
     def token_ids(self, texts: list[str]) -> list[np.ndarray]:
-        return token_ids(self.tokenizer, texts)
+        return self._ids(texts)
 
     def encode(self, texts: list[str]) -> np.ndarray:
         if isinstance(texts, str):
