@@ -385,7 +385,8 @@ def _queued(turns, fn, waiting: int) -> threading.Thread:
     return t
 
 
-def test_turns_go_in_the_order_asked_for_whatever_the_callers_do():
+def test_turns_go_in_the_order_asked_for_whatever_the_callers_do(monkeypatch):
+    import decoder_service.encoder.turns as turns_module
     from decoder_service.encoder.turns import Turns
     turns, order = Turns(), []
 
@@ -401,12 +402,13 @@ def test_turns_go_in_the_order_asked_for_whatever_the_callers_do():
         with turns:
             raise ValueError("bad tokens")
 
-    def quit_waiting(*a, **kw):                  # a caller whose wait ends in an exception gives its ticket up
-        raise RuntimeError("interrupted")
+    class Interrupted(threading.Event):          # a caller whose wait ends in an exception gives its ticket up
+        def wait(self, timeout=None):
+            raise RuntimeError("interrupted")
     with turns:
-        wait, turns._cond.wait = turns._cond.wait, quit_waiting
+        monkeypatch.setattr(turns_module, "Event", Interrupted)
         _queued(turns, lambda: pytest.raises(RuntimeError, turns.__enter__), turns._next + 1).join(10)
-        turns._cond.wait = wait
+        monkeypatch.undo()
         after = _queued(turns, lambda: job("after"), turns._next + 1)
     after.join(10)
     assert order[-1] == "after" and not after.is_alive()
