@@ -435,6 +435,7 @@ def test_cuda_kernels_under_simulator():
     assert r["alone_equals_batch"], "a text's vector changed with its batch (graph replay alone)"
     assert r["chunks_equal"], "the texts in several chunks and in one gave different bits"
     assert r["graph_replayed"], r
+    assert r["left_on_device"], "enqueue (plain launches) left other vectors than embed, or took an oversized chunk"
     # a query arriving while a catalog's vectors are encoded waits for the chunk under way, not the whole job
     assert r["long_job_chunks"] == 12 and r["chunks_before_query"] <= 2, r
     assert r["query_alone_bits"], "the query's vector changed when it ran between a long job's chunks"
@@ -497,7 +498,16 @@ def _sim_case() -> dict:
     again = enc.embed([seqs[2]])
     pair = enc.embed(seqs[2:4])                          # two texts and spare rows in one graph
     rows = [-(-n // GRAPH_ROWS) * GRAPH_ROWS for n in (len(seqs[2]), len(seqs[2]) + len(seqs[3]))]
-    return dict(rel_max=float(rel_errors(batch, ref).max()),
+    with raw.turns:                                      # the device shortlist's way in: no graph here, no wait
+        left = raw.enqueue([seqs[2]])
+        raw.stream.synchronize()
+        kept = bool(np.array_equal(left.copy_to_host()[:cfg.hidden_size], batch[2]))
+        try:
+            raw.enqueue(seqs)                            # more rows than a chunk holds
+            kept = False
+        except ValueError:
+            pass
+    return dict(rel_max=float(rel_errors(batch, ref).max()), left_on_device=kept,
                 norms_ok=bool(np.allclose(np.linalg.norm(batch, axis=1), 1.0, atol=1e-6)),
                 alone_equals_batch=bool(np.array_equal(alone[0], batch[2]) and np.array_equal(again, alone)
                                         and np.array_equal(pair, batch[2:4])),

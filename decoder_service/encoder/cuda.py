@@ -402,27 +402,26 @@ class CudaEncoder:
             self._threads.add(threading.get_ident())
 
     def enqueue(self, seqs: list[np.ndarray]):
-        """The forward pass of a few texts (GRAPH_TEXTS at most, one graph) enqueued on the stream and not waited
-        for: their vectors are emb[:len(seqs) * H] once it has run. Only in the caller's turn (`with turns:`), which
-        it keeps until then (the device shortlist enqueues its work behind it)."""
+        """The forward pass of texts that fit one chunk enqueued on the stream (a graph's replay where they fit
+        one) and not waited for: their vectors are emb[:len(seqs) * H], and in emb_host, once it has run. Only in
+        the caller's turn (`with turns:`), which it keeps until then (the device shortlist enqueues its work
+        behind it)."""
         self.bind_thread()
+        if sum(len(q) for q in seqs) > self.chunk_tokens:
+            raise ValueError(f"{len(seqs)} texts of more than {self.chunk_tokens} tokens do not fit one chunk")
         M, B, graphed = self._stage(seqs)
-        if not graphed:
-            raise ValueError(f"{len(seqs)} texts of {M} token rows do not run in one graph")
-        self._graph(M, B).replay()
+        if graphed:
+            self._graph(M, B).replay()
+        else:
+            self._enqueue(M, B)
         return self.emb
 
     def embed(self, seqs: list[np.ndarray]) -> np.ndarray:
         H = self.cfg.hidden_size
         out = np.zeros((len(seqs), H), np.float32)
-        self.bind_thread()
         for a, b in chunks(seqs, self.chunk_tokens):
             with self.turns:       # a chunk at a time: a request waits for one chunk of a version's vectors, not all
-                M, B, graphed = self._stage(seqs[a:b])
-                if graphed:
-                    self._graph(M, B).replay()
-                else:
-                    self._enqueue(M, B)
+                self.enqueue(seqs[a:b])
                 self.stream.synchronize()
-                out[a:b] = self.emb_host[:B * H].reshape(B, H)
+                out[a:b] = self.emb_host[:(b - a) * H].reshape(b - a, H)
         return out
