@@ -67,7 +67,9 @@ def markdown(res: dict) -> str:
                   + (f" (its parts, as the shortlist encodes them: {r['encode_parts']['p50_ms']:.3f} ms)"
                      if "encode_parts" in r else "")
                   + (f"; the device scorer alone p50 {r['device_score']['p50_ms']:.3f} ms"
-                     if "device_score" in r else "") + ".", ""]
+                     if "device_score" in r else "")
+                  + (f"; the parts' token ids p50 {r['token_ids']['p50_ms']:.3f} ms" if "token_ids" in r else "") + ".",
+                  ""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",
               "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
               "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",

@@ -115,7 +115,8 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
     out = {"tools": n_tools, "size": size, "compile_s": round(compile_s, 2), "tool_vectors_s": round(vectors_s, 2),
            "shortlist": percentiles(times),
            "encode_intent": percentiles([seconds(lambda q=q: encoder.encode([q.intent])) for q in queries]),
-           "encode_parts": percentiles([seconds(lambda q=q: encoder.encode(intent_parts(q.intent))) for q in queries])}
+           "encode_parts": percentiles([seconds(lambda q=q: encoder.encode(intent_parts(q.intent))) for q in queries]),
+           "token_ids": percentiles([seconds(lambda q=q: encoder.token_ids(intent_parts(q.intent))) for q in queries])}
     if retriever.device is not None:      # the device scorer alone, its inputs computed beforehand (the dense
         args = []                         # term unstandardised: the same launches, the same time)
         for q in queries:

@@ -49,7 +49,7 @@ def _part(x, queries, i, s, p, parts):
 @cuda.jit(device=True, inline="always")
 def _run(x, queries, j, dim, parts, s):
     """Each part's sum in s plus x . that part's queries[j:j + 8] (x a tool's dimensions j..j + 7)."""
-    return (dot8(x, ld8(queries, j), s[0]), _part(x, queries, dim + j, s[1], 1, parts),
+    return (_part(x, queries, j, s[0], 0, parts), _part(x, queries, dim + j, s[1], 1, parts),
             _part(x, queries, 2 * dim + j, s[2], 2, parts), _part(x, queries, 3 * dim + j, s[3], 3, parts),
             _part(x, queries, 4 * dim + j, s[4], 4, parts), _part(x, queries, 5 * dim + j, s[5], 5, parts),
             _part(x, queries, 6 * dim + j, s[6], 6, parts), _part(x, queries, 7 * dim + j, s[7], 7, parts))
@@ -57,10 +57,10 @@ def _run(x, queries, j, dim, parts, s):
 
 @cuda.jit(cache=not SIM)
 def k_fuse(vectors, dim, n, queries, parts, coef, out):
-    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, (a, k0) = coef, a thread a tool
-    (coef on the device: k_coef may compute it just before). vectors is
-    run-major (run_major: a warp's loads of one run of 8 dimensions are 32 tools' consecutive 16 bytes); a tool's
-    runs are read once for every part, four loads in flight, each part's sum ascending over the dimensions."""
+    """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, (a, k0) = coef (on the device:
+    k_coef may compute it just before), a thread a tool. vectors is run-major (run_major: a warp's loads of one run
+    of 8 dimensions are 32 tools' consecutive 16 bytes); a tool's runs are read once for every part, four loads in
+    flight, each part's sum ascending over the dimensions."""
     tool = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if tool >= n:
         return
@@ -289,6 +289,8 @@ class DeviceScorer:
         device and never copied out: the dense term standardised over every tool (k_moments, k_coef) and weighted
         by `dense`. lexical() -> (ids, values, c, shift): BM25's matched tools and c * bm25 - shift, its
         standardised, weighted term, computed on the host while the device encodes."""
+        if self.encoder is None:
+            raise ValueError("retrieve encodes on the device: build the scorer with the CUDA encoder")
         self._check(top, len(seqs))
         with self.turns:
             emb = self.encoder.enqueue(seqs)

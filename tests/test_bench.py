@@ -73,7 +73,8 @@ def test_a_burst_from_several_client_threads_gives_every_query_its_answer_alone(
 
 def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report_names_both(small_tokenizer_dir):
     """The shortlist encodes an intent's parts (the intent and its clauses); the table times that call too, since a
-    request with several parts costs more than its intent alone, and on a GPU the device scorer alone."""
+    request with several parts costs more than its intent alone, their token ids, and on a GPU the device scorer
+    alone."""
     import numpy as np
 
     from bench.serve import retrieval_table
@@ -87,6 +88,9 @@ def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report
         def __init__(self):
             self.calls: list[list[str]] = []
 
+        def token_ids(self, texts):
+            return [np.arange(len(t.split()) + 2, dtype=np.int32) for t in texts]
+
         def encode(self, texts):
             self.calls.append(list(texts))
             v = np.random.default_rng(len(self.calls)).standard_normal((len(texts), self.dim)).astype(np.float32)
@@ -96,13 +100,16 @@ def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report
     enc = Recorder()
     out = retrieval_table(ModelTokenizer(small_tokenizer_dir), enc, [Query(intent, 2), Query("a podcast", 1)], 300, 12)
     assert len(intent_parts(intent)) == 3 and intent_parts(intent) in enc.calls and [intent] in enc.calls
-    assert out["tools"] == 300 and all(out[k]["p50_ms"] > 0 for k in ("shortlist", "encode_intent", "encode_parts"))
+    assert out["tools"] == 300 and all(out[k]["p50_ms"] > 0 for k in ("shortlist", "encode_intent", "encode_parts",
+                                                                        "token_ids"))
     res = json.loads((RESULTS / "bench_h200.json").read_text())
     assert "device_score" not in out                                   # the host's scorer: nothing to time apart
     res["retrieval"]["encode_parts"] = {**res["retrieval"]["encode_intent"], "p50_ms": 1.234}
     res["retrieval"]["device_score"] = {**res["retrieval"]["encode_intent"], "p50_ms": 0.312}
     assert ("(its parts, as the shortlist encodes them: 1.234 ms); the device scorer alone p50 0.312 ms."
             in report.markdown(res))
+    res["retrieval"]["token_ids"] = {**res["retrieval"]["encode_intent"], "p50_ms": 0.035}
+    assert "the device scorer alone p50 0.312 ms; the parts' token ids p50 0.035 ms." in report.markdown(res)
 
 
 def test_quality_table_names_each_ceiling_by_its_shortlist_size():

@@ -374,6 +374,8 @@ class CudaEncoder:
         if lens.min() < 1 or lens.max() > self.cfg.max_seq_length:
             raise ValueError(f"token counts must be 1..{self.cfg.max_seq_length}")
         n, B = int(lens.sum()), len(seqs)
+        if n > self.chunk_tokens:
+            raise ValueError(f"{B} texts of {n} tokens do not fit one chunk of {self.chunk_tokens}")
         M = -(-n // GRAPH_ROWS) * GRAPH_ROWS
         graphed = bool(self.max_graphs) and B <= GRAPH_TEXTS and M <= self.chunk_tokens
         M = M if graphed else n
@@ -407,8 +409,6 @@ class CudaEncoder:
         the caller's turn (`with turns:`), which it keeps until then (the device shortlist enqueues its work
         behind it)."""
         self.bind_thread()
-        if sum(len(q) for q in seqs) > self.chunk_tokens:
-            raise ValueError(f"{len(seqs)} texts of more than {self.chunk_tokens} tokens do not fit one chunk")
         M, B, graphed = self._stage(seqs)
         if graphed:
             self._graph(M, B).replay()

@@ -1,8 +1,7 @@
 """Turns: a lock taken in the order it was asked for, so that a short job never waits behind all of a long one."""
 from __future__ import annotations
 
-import threading
-from threading import Event
+from threading import Event, Lock
 
 
 class Turns:
@@ -13,7 +12,7 @@ class Turns:
     to find the next, each of them needing the GIL (P115)."""
 
     def __init__(self):
-        self._lock = threading.Lock()
+        self._lock = Lock()
         self._next = 0       # the ticket the next caller gets
         self._serving = 0    # the ticket whose turn it is
         self._waiting: dict[int, Event] = {}   # a waiting caller's ticket -> the event that wakes it
