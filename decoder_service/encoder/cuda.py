@@ -16,7 +16,8 @@ import numpy as np
 
 from decoder_service.model.config import ModelError
 from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.intrinsics import SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter
+from decoder_service.model.cuda.intrinsics import (SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter,
+                                                   prefetch_l2)
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda  # noqa: E402
@@ -81,23 +82,35 @@ def st8(arr, i, p):
         arr[i + j] = p[j]
 
 
+@cuda.jit(device=True, inline="always")
+def hint_l2(arr, start, n, tid, T):
+    """Cache hint for arr[start:start + n] into L2, a line (32 words) a thread: for weights, before the PDL wait."""
+    for i in range(start + tid * 32, start + n, T * 32):
+        prefetch_l2(arr, i)
+
+
 @cuda.jit(cache=True)
 def k_gemm(a, W, bias, res, out, M, K, N, mode):
     """out[M, N] = epilogue(a[M, K] @ W[K, N] + bias): thread (s, g) sums segment s of RS rows x 8 columns, each
     output from zero in ascending k with fma (16-byte loads: a k's 8 weights, shared by the rows, and a row's 8
     activations); then the block adds each output's segment sums in ascending order, the bias, the epilogue. A
     thread has one segment, so a few rows still fill the GPU; an output's arithmetic never depends on M.
-    Grid (N / (8 G), ceil(M / RS)), block K / SEG * G."""
-    pdl_enter()
-    sums = cuda.shared.array(SEG_SUMS, nb_f32)   # [segment][row][column]
+    Grid (N / (8 G), ceil(M / RS)), block K / SEG * G. The weights and bias are hinted into L2 before the PDL wait
+    (no kernel writes them), so that their loads after it are L2 hits."""
     tid = cuda.threadIdx.x
     nseg = K // SEG
     groups = cuda.blockDim.x // nseg
     g, s = tid % groups, tid // groups
     cols = 8 * groups
     n0, m0 = cuda.blockIdx.x * cols, cuda.blockIdx.y * RS
-    r0, r1 = min(m0, M - 1) * K + s * SEG, min(m0 + 1, M - 1) * K + s * SEG
     w0 = s * SEG * N + n0 + 8 * g
+    if cuda.blockIdx.y == 0:     # the blocks of one column slice read the same weights: one hints them
+        for k in range(SEG):
+            prefetch_l2(W, w0 + k * N)
+        hint_l2(bias, n0, cols, tid, cuda.blockDim.x)
+    pdl_enter()
+    sums = cuda.shared.array(SEG_SUMS, nb_f32)   # [segment][row][column]
+    r0, r1 = min(m0, M - 1) * K + s * SEG, min(m0 + 1, M - 1) * K + s * SEG
     z = nb_f32(0)
     p0 = p1 = (z, z, z, z, z, z, z, z)
     for k in range(0, SEG, 8):     # 8 weight loads and the rows' 8 activations in flight together
@@ -147,10 +160,13 @@ def layer_norm_staged(xs, s, H, gamma, beta, eps, out, base, tid, T, red):
 @cuda.jit(cache=True)
 def k_embed(meta, M, word, pos, type0, gamma, beta, eps, H, out):
     """out[row] = LayerNorm(word[id] + pos[position in its text] + type0). Grid M."""
+    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    hint_l2(gamma, 0, H, tid, T)
+    hint_l2(beta, 0, H, tid, T)
+    hint_l2(type0, 0, H, tid, T)
     pdl_enter()
     xs = cuda.shared.array(MAX_H, nb_f32)
     red = cuda.shared.array(32, nb_f32)
-    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     tok = meta[row]
     p = row - meta[2 * M + 2 * meta[M + row]]
     s = nb_f32(0)
@@ -164,10 +180,12 @@ def k_embed(meta, M, word, pos, type0, gamma, beta, eps, H, out):
 @cuda.jit(cache=True)
 def k_layernorm(x, gamma, beta, eps, H, out):
     """out[row] = LayerNorm(x[row]). Grid M."""
+    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
+    hint_l2(gamma, 0, H, tid, T)
+    hint_l2(beta, 0, H, tid, T)
     pdl_enter()
     xs = cuda.shared.array(MAX_H, nb_f32)
     red = cuda.shared.array(32, nb_f32)
-    row, tid, T = cuda.blockIdx.x, cuda.threadIdx.x, cuda.blockDim.x
     s = nb_f32(0)
     for c in range(tid, H, T):
         v = x[row * H + c]
