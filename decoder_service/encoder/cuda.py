@@ -377,21 +377,19 @@ class CudaEncoder:
 
     def _enqueue(self, M: int, B: int) -> None:
         """Copy the staged inputs, run the forward pass over M rows of B texts (and the spare rows' text after
-        them), copy the B vectors back (all asynchronous on the stream; capturable)."""
-        s = self.stream
-        s.h2d(self.meta, self.meta_host, 2 * M + 2 * B + 2)
+        them), leaving the B vectors in emb (asynchronous on the stream; capturable)."""
+        self.stream.h2d(self.meta, self.meta_host, 2 * M + 2 * B + 2)
         for _, launch in self.launches(M, B):
             launch()
-        s.d2h(self.emb_host, self.emb, B * self.cfg.hidden_size)
 
     def _stage(self, seqs: list[np.ndarray]) -> tuple[int, int, bool]:
         """Stage the texts' ids, row -> text map and (start, length) pairs; rows past the texts' (up to a graph's
         row count, when they run in one) are a spare text of [PAD] tokens that no vector is pooled from; `rows` is set
         to their count. Returns (rows, texts, whether a graph runs them)."""
-        lens = np.array([len(q) for q in seqs], np.int32)
-        if lens.min() < 1 or lens.max() > self.cfg.max_seq_length:
+        lens = [len(q) for q in seqs]
+        if min(lens) < 1 or max(lens) > self.cfg.max_seq_length:
             raise ValueError(f"token counts must be 1..{self.cfg.max_seq_length}")
-        n, B = int(lens.sum()), len(seqs)
+        n, B = sum(lens), len(seqs)
         if n > self.chunk_tokens:
             raise ValueError(f"{B} texts of {n} tokens do not fit one chunk of {self.chunk_tokens}")
         M = -(-n // GRAPH_ROWS) * GRAPH_ROWS
@@ -401,8 +399,13 @@ class CudaEncoder:
         m = self.meta_host
         m[:n] = np.concatenate(seqs)
         m[n:M] = 0
-        m[M:2 * M] = np.repeat(np.arange(B + 1, dtype=np.int32), np.append(lens, M - n))
-        m[2 * M:2 * M + 2 * B + 2] = np.stack([np.cumsum(lens) - lens, lens], axis=1).reshape(-1).tolist() + [n, M - n]
+        pairs, at = [], 0
+        for t, L in enumerate(lens):     # a few slices, not numpy's per-call setup: this is a request's latency
+            m[M + at:M + at + L] = t
+            pairs += (at, L)
+            at += L
+        m[M + n:2 * M] = B
+        m[2 * M:2 * M + 2 * B + 2] = pairs + [n, M - n]
         return M, B, graphed
 
     def _graph(self, M: int, B: int) -> Graph:
@@ -423,9 +426,8 @@ class CudaEncoder:
 
     def enqueue(self, seqs: list[np.ndarray]):
         """The forward pass of texts that fit one chunk enqueued on the stream (a graph's replay where they fit
-        one) and not waited for: their vectors are emb[:len(seqs) * H], and in emb_host, once it has run. Only in
-        the caller's turn (`with turns:`), which it keeps until then (the device shortlist enqueues its work
-        behind it)."""
+        one) and not waited for: their vectors are emb[:len(seqs) * H] once it has run. Only in the caller's turn
+        (`with turns:`), which it keeps until then (the device shortlist enqueues its work behind it)."""
         self.bind_thread()
         M, B, graphed = self._stage(seqs)
         if graphed:
@@ -440,6 +442,7 @@ class CudaEncoder:
         for a, b in chunks(seqs, self.chunk_tokens):
             with self.turns:       # a chunk at a time: a request waits for one chunk of a version's vectors, not all
                 self.enqueue(seqs[a:b])
+                self.stream.d2h(self.emb_host, self.emb, (b - a) * H)
                 self.stream.synchronize()
                 out[a:b] = self.emb_host[:(b - a) * H].reshape(b - a, H)
         return out

@@ -149,6 +149,11 @@ if SIM:  # ------------------------------------------------------------------ si
         vals, lane = _warp_exchange(v)
         return np.float32(vals.max())
 
+    def xor_pair(v, i, off):
+        """Lane (this lane ^ off)'s float32 v and int32 i (exact: the exchange is float64)."""
+        vals, lane = _exchange((v, i), WARP)
+        return np.float32(vals[lane ^ off, 0]), np.int32(vals[lane ^ off, 1])
+
     def _lanes(v, op):
         vals, lane = _warp_exchange(v)
         idx = np.arange(WARP)
@@ -308,17 +313,19 @@ else:  # -----------------------------------------------------------------------
 
     @intrinsic
     def ld_l2(typingctx, arr, i):
-        """ld.global.cg of a float32: cached in L2 only, so data other blocks of this launch wrote
+        """ld.global.cg of a float32 or float64: cached in L2 only, so data other blocks of this launch wrote
         (before their threadfence) is never read stale from this SM's L1 (P06; docs/gpu.md#the-memory-system)."""
-        if not isinstance(arr, nbt.Array) or arr.dtype != nbt.float32:
+        if not isinstance(arr, nbt.Array) or arr.dtype not in (nbt.float32, nbt.float64):
             return None
-        sig = nbt.float32(arr, i)
+        sig = arr.dtype(arr, i)
+        wide = arr.dtype == nbt.float64
 
         def codegen(context, builder, sig, args):
             aty, ity = sig.args
             addr = builder.ptrtoint(_elem_ptr(context, builder, aty, args[0], args[1], ity), _I64)
-            asm = ir.InlineAsm(ir.FunctionType(_F32, [_I64]), "ld.global.cg.f32 $0, [$1];", "=f,l",
-                               side_effect=True)
+            ty = ir.DoubleType() if wide else _F32
+            asm = ir.InlineAsm(ir.FunctionType(ty, [_I64]), f"ld.global.cg.{'f64' if wide else 'f32'} $0, [$1];",
+                               f"={'d' if wide else 'f'},l", side_effect=True)
             return builder.call(asm, [addr])
 
         return sig, codegen
@@ -453,6 +460,11 @@ else:  # -----------------------------------------------------------------------
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 16))
         v = max(v, cuda.shfl_xor_sync(0xFFFFFFFF, v, 8))
         return lanes_max(v)
+
+    @cuda.jit(device=True, inline="always")
+    def xor_pair(v, i, off):
+        """Lane (this lane ^ off)'s v and i (shfl.sync.bfly)."""
+        return cuda.shfl_xor_sync(0xFFFFFFFF, v, off), cuda.shfl_xor_sync(0xFFFFFFFF, i, off)
 
 
 # ---------------------------------------------------------------------------------- device helpers
