@@ -1,5 +1,6 @@
-"""The device shortlist (retrieval_cuda: k_fuse, the requests' k_vote, k_add, k_best) against the host's top_n,
-under numba's CUDA simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is one."""
+"""The device shortlist (retrieval_cuda: k_fuse, the requests' k_vote, k_add, k_top and k_merge) against the host's
+top_n, under numba's CUDA simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is
+one."""
 from __future__ import annotations
 
 import json
@@ -28,7 +29,8 @@ def main() -> None:
     from decoder_service.retrieval import NEIGHBOURS, VOTE_TEMPERATURE, top_n
     from decoder_service.retrieval_cuda import SIM, DeviceScorer
     rng = np.random.default_rng(3)
-    n, dim, m = (150, 40, 40) if SIM else (100_000, 384, 50_000)   # SIM: k_best merges 3 blocks; k_fuse unrolled + tail
+    # SIM: k_merge takes 3 lists of tools and 5 of requests (more than a 4-lane warp); k_fuse unrolled + tail
+    n, dim, m = (150, 40, 300) if SIM else (100_000, 384, 50_000)
     vectors = rng.standard_normal((n, dim)).astype(np.float16)
     vectors[n // 2:n // 2 + 30] = vectors[10:40]          # equal scores: the lower id must win
     requests = rng.standard_normal((m, dim)).astype(np.float16)
