@@ -26,6 +26,7 @@ FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a tool
 MOMENT_LANES = 4 if SIM else 32     # k_moments: threads a row of the tools' second moment
 MOMENT_THREADS = 16 if SIM else 256  # k_moments' block (MOMENT_THREADS / MOMENT_LANES rows)
 SORT = 64 if SIM else 1024  # k_top's block: a thread an entry of its slice
+WARPS = SORT // WARP        # k_top's warps: the sorted lists its first warp merges
 MAX_LISTS = 64 if SIM else 4096   # k_merge: most k_top blocks (lists) it merges
 MAX_TOOLS = SORT * MAX_LISTS      # most tools (and requests) the device scorer holds
 MAX_N = 48 if SIM else 64   # longest shortlist the device path serves (longer: the host's); below SORT
@@ -243,13 +244,13 @@ def _tournament(sv, si, lists, length, pos, top, lane, out_scores, out_ids, base
             v, i, l = _lane_best(sv, si, lists, length, pos, lane)
 
 
-@cuda.jit(cache=not SIM)
+@cuda.jit(cache=not SIM, **({} if SIM else {"max_registers": 65536 // SORT}))   # a block of SORT threads fits an SM
 def k_top(scores, n, top, out_scores, out_ids):
     """Block b: the best `top` of scores[b * SORT:(b + 1) * SORT] (ids their indices), best first, into
     out_*[b * top:]. Each warp sorts its entries in registers, then the first warp merges the warps' lists."""
     sv = cuda.shared.array(SORT, numba.float32)
     si = cuda.shared.array(SORT, numba.int32)
-    pos = cuda.shared.array(SORT // WARP, numba.int32)
+    pos = cuda.shared.array(WARPS, numba.int32)
     tid = cuda.threadIdx.x
     q = cuda.blockIdx.x * SORT + tid
     v, i = numba.float32(-math.inf), numba.int32(LAST_ID)
@@ -257,11 +258,11 @@ def k_top(scores, n, top, out_scores, out_ids):
         v, i = scores[q], numba.int32(q)
     v, i = _warp_sorted(v, i, tid % WARP)
     sv[tid], si[tid] = v, i
-    if tid < SORT // WARP:
+    if tid < WARPS:
         pos[tid] = 0
     cuda.syncthreads()
     if tid < WARP:
-        _tournament(sv, si, SORT // WARP, WARP, pos, top, tid, out_scores, out_ids, cuda.blockIdx.x * top)
+        _tournament(sv, si, WARPS, WARP, pos, top, tid, out_scores, out_ids, cuda.blockIdx.x * top)
 
 
 @cuda.jit(cache=not SIM)
