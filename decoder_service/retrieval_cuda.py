@@ -68,10 +68,10 @@ def fuse_kernel(parts: int):
     @cuda.jit(cache=not SIM)
     def k_fuse(vectors, dim, n, queries, coef, shift, out):
         """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, a = coef[0] and k0 =
-        coef[1] - shift (float64 coef: k_moments may compute it just before; shift the BM25 term's, known later),
-        each rounded to float32; a thread a tool. vectors is run-major (run_major: a warp's
-        loads of one run of 8 dimensions are 32 tools' consecutive 16 bytes); a tool's runs are read once for
-        every part, four loads in flight, each part's sum ascending over the dimensions."""
+        coef[1] - shift, each rounded to float32 (coef: k_moments may compute it just before; shift: the BM25
+        term's, known later); a thread a tool. vectors is run-major (run_major: a warp's loads of one run of 8
+        dimensions are 32 tools' consecutive 16 bytes); a tool's runs are read once for every part, four loads in
+        flight, each part's sum ascending over the dimensions."""
         tool = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
         if tool >= n:
             return
