@@ -106,6 +106,11 @@ def test_an_intent_splits_into_its_clauses_of_three_words_or_more():
     assert intent_parts("weather and news") == ["weather and news"]     # no clause of three words: the whole
     many = ". ".join(f"Please do task number {i}" for i in range(12))
     assert len(intent_parts(many)) == 8 and intent_parts(many)[1] == "Please do task number 0."
+    every = ("Search the web for news, also translate the first result then summarize it for me and also send an "
+             "email to Bob, then post the summary on the team wiki and then close the ticket right away")
+    assert intent_parts(every)[1:] == ["Search the web for news", "translate the first result", "summarize it for me",
+                                       "send an email to Bob", "post the summary on the team wiki",
+                                       "close the ticket right away"]
 
 
 def without_requests(tools) -> Vectors:
