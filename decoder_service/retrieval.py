@@ -167,9 +167,9 @@ class Retriever:
         self.vote_weight = vote_weight if encoder is not None and len(vectors.requests) else 0.0
         self.device, self.device_max = None, 0
         if encoder is not None and encoder.backend_name == "cuda":
-            from decoder_service.retrieval_cuda import MAX_N, MAX_TOOLS, DeviceScorer
+            from decoder_service.retrieval_cuda import MAX_N, DeviceScorer, holds
             voters = (vectors.requests, vectors.owner) if self.vote_weight else None
-            if max(size, len(vectors.requests)) <= MAX_TOOLS:      # larger: scored on the host
+            if holds(size, len(voters[1]) if voters else 0):      # larger: scored on the host
                 self.device, self.device_max = DeviceScorer(vectors.tools, voters, encoder.backend), MAX_N
 
     def scores(self, intent: str, allow: np.ndarray | None = None) -> np.ndarray:

@@ -39,6 +39,11 @@ _F, _H, _I, _D = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32, 
 _S, _X = t.int32, t.float32
 
 
+def holds(tools: int, voters: int) -> bool:
+    """Whether the device scorer takes a version of `tools` tools and `voters` voting requests (k_merge's lists)."""
+    return max(tools, voters) <= MAX_TOOLS
+
+
 @cuda.jit(device=True, inline="always")
 def _start(p, parts):
     """Part p's sum before the first run: 0, or -inf where the intent has fewer parts (never the best)."""
@@ -285,7 +290,7 @@ class DeviceScorer:
         n, dim = vectors.shape
         if dim % 8:
             raise ValueError(f"k_fuse reads vectors in runs of 8, not a dimension of {dim}")
-        if max(n, len(voters[1]) if voters is not None else 0) > MAX_TOOLS:
+        if not holds(n, len(voters[1]) if voters is not None else 0):
             raise ValueError(f"the device scorer holds at most {MAX_TOOLS} tools and requests")
         self.n, self.dim, self.encoder = n, dim, encoder
         self.stream = encoder.stream if encoder is not None else Stream()
@@ -305,7 +310,8 @@ class DeviceScorer:
         self.matched = cuda.device_array(2 * n, np.int32)    # BM25's m matched ids, then their values' bits
         pin = np.zeros if SIM else cuda.pinned_array
         self.host_queries, self.host_coef = pin(MAX_PARTS * dim, np.float32), pin(2, np.float64)
-        self.host_matched, self.host_best = pin(2 * n, np.int32), pin(2 * MAX_N, np.int32)
+        self.host_matched = pin(2 * n, np.int32)
+        self.host_values = self.host_matched.view(np.float32)     # the matches' values, after their m ids
         # the launches, packed once; what changes per request is in these scalars
         self.c, self.weight = Scalar(ctypes.c_float), Scalar(ctypes.c_float)
         self.dense, self.shift = Scalar(ctypes.c_double), Scalar(ctypes.c_double)
@@ -320,7 +326,7 @@ class DeviceScorer:
                      for f in k.fuse]
         self.add = Launch(k.add, 256, 0, dict(ids=self.matched, values=self.matched.view(np.float32), m=self.m,
                                               c=self.c, out=self.scores), h)
-        self.best = Best(self.scores, n, self.top, MAX_N, h)
+        self.best = Best(self.scores, n, self.top, MAX_N, self.stream)
         self.vote = None
         if voters is not None and len(voters[1]):
             requests, owner = voters
@@ -332,7 +338,7 @@ class DeviceScorer:
             self.request_fuse = [Launch(f, FUSE_THREADS, 0, dict(vectors=self.requests, dim=dim, n=len(owner),
                                                                  queries=self.queries, coef=unit, shift=0.0,
                                                                  out=self.request_scores), h) for f in k.fuse]
-            self.nearest = Best(self.request_scores, len(owner), Scalar(ctypes.c_int32, count), count, h)
+            self.nearest = Best(self.request_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.stream)
             self.vote = Launch(k.vote, VOTERS, 0, dict(
                 near_scores=self.nearest.scores, near_ids=self.nearest.ids, owner=self.owner, count=count,
                 weight=self.weight, temperature=VOTE_TEMPERATURE, out=self.scores), h)
@@ -381,7 +387,7 @@ class DeviceScorer:
         """Enqueue the shortlist behind the queries and coef (in this caller's turn), wait, and return it."""
         ids, values = matched
         s, m = self.stream, len(ids)
-        self.host_matched[:m], self.host_matched.view(np.float32)[m:2 * m] = ids, values
+        self.host_matched[:m], self.host_values[m:2 * m] = ids, values
         self.c.value, self.weight.value = c, vote_weight
         self.m.value, self.top.value = m, top
         s.h2d(self.matched, self.host_matched, 2 * m)
@@ -393,36 +399,43 @@ class DeviceScorer:
         if m:
             self.add.launch(-(-m // 256))
         self.best.launch()
-        s.d2h(self.host_best, self.best.out, MAX_N + top)
+        self.best.fetch(top)
         s.synchronize()
-        return self.host_best[:top].copy(), self.host_best.view(np.float32)[MAX_N:MAX_N + top].copy()
+        return self.best.host_ids[:top].copy(), self.best.host_scores[:top].copy()
 
 
 class Best:
     """The launches that leave the best `top` (at most `most`) of scores[:n] in `out`: their ids in out[:most] and
-    their scores' bits in out[most:] (`ids` and `scores`, views: one copy takes both back); k_top's best of each
-    slice of SORT, then (over more than one slice) k_merge's best of those."""
+    their scores' bits in out[most:] (`ids` and `scores`, views), so that one copy (`fetch`) takes both back;
+    k_top's best of each slice of SORT, then (over more than one slice) k_merge's best of those."""
 
-    def __init__(self, scores, n: int, top: Scalar, most: int, stream):
+    def __init__(self, scores, n: int, top: Scalar, most: int, stream: Stream):
         if most >= SORT:
             raise ValueError(f"k_top keeps fewer than {SORT} entries, asked for {most}")
-        self.lists = -(-n // SORT)
+        self.lists, self.most, self.stream = -(-n // SORT), most, stream
         self.out = cuda.device_array(2 * most, np.int32)
         self.ids, self.scores = self.out[:most], self.out.view(np.float32)[most:]
+        self.host = np.zeros(2 * most, np.int32) if SIM else cuda.pinned_array(2 * most, np.int32)
+        self.host_ids, self.host_scores = self.host[:most], self.host.view(np.float32)[most:]
         part_scores, part_ids = self.scores, self.ids     # one slice: its best are the best
         if self.lists > 1:
             part_scores = cuda.device_array(self.lists * most, np.float32)
             part_ids = cuda.device_array(self.lists * most, np.int32)
         k = Kernels.get()
         self.part = Launch(k.top, SORT, 0, dict(scores=scores, n=n, top=top, out_scores=part_scores,
-                                                out_ids=part_ids), stream)
+                                                out_ids=part_ids), stream.handle)
         self.merge = Launch(k.merge, WARP, 0, dict(scores=part_scores, ids=part_ids, lists=self.lists, top=top,
-                                                   out_scores=self.scores, out_ids=self.ids), stream)
+                                                   out_scores=self.scores, out_ids=self.ids), stream.handle)
 
     def launch(self) -> None:
         self.part.launch(self.lists)
         if self.lists > 1:
             self.merge.launch(1)
+
+    def fetch(self, top: int) -> None:
+        """Enqueue the copy of the best `top` ids and scores into host_ids and host_scores (valid after a
+        synchronize)."""
+        self.stream.d2h(self.host, self.out, self.most + top)
 
 
 class Kernels:
