@@ -1,10 +1,11 @@
 """The dense half of retrieval on the GPU: every tool's fused score, and the shortlist, on the device.
 
 A version's tool and request vectors stay on the device (float16, run-major); k_fuse (a thread a tool: its best
-cosine with the intent's parts, compiled for each count of parts), the requests' votes (k_fuse over the requests,
-Best for the nearest, k_vote), k_add (BM25) and Best (k_top: warps' bitonic sorts merged by a tournament of one
-warp; k_merge: the blocks' lists merged the same way) leave only n ids and scores for the host, in
-retrieval.top_n's order, the same in any order of requests (P78, P107, P112, P117).
+cosine with the intent's parts, compiled for each count of parts), the requests' votes (k_fuse's blocks past the
+tools score the requests, Best keeps the nearest, k_vote), k_add (BM25) and Best (k_top: warps' bitonic sorts merged
+by a tournament of one warp; k_merge: the blocks' lists merged the same way, staged in shared memory) leave only n
+ids and scores for the host, in retrieval.top_n's order, the same in any order of requests (P78, P107, P112, P117,
+P118).
 """
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ MOMENT_THREADS = 16 if SIM else 256  # k_moments' block (MOMENT_THREADS / MOMENT
 SORT = 64 if SIM else 1024  # k_top's block: a thread an entry of its slice
 WARPS = SORT // WARP        # k_top's warps: the sorted lists its first warp merges
 MAX_LISTS = 64 if SIM else 4096   # k_merge: most k_top blocks (lists) it merges
+STAGED = 64 if SIM else 3072      # k_merge: most entries it stages in shared memory (more: read where they are)
+MERGE_THREADS = 16 if SIM else 256   # k_merge's block: all stage the lists, the first warp merges them
 MAX_TOOLS = SORT * MAX_LISTS      # most tools (and requests) the device scorer holds
 MAX_N = 48 if SIM else 64   # longest shortlist the device path serves (longer: the host's); below SORT
 VOTERS = 32                 # k_vote's block: at most this many nearest requests vote
@@ -71,32 +74,39 @@ def fuse_kernel(parts: int):
     nor branches (P117)."""
 
     @cuda.jit(cache=not SIM)
-    def k_fuse(vectors, dim, n, queries, coef, shift, out):
+    def k_fuse(vectors, n, out, requests, m, request_out, dim, queries, coef, shift):
         """out[tool] = a * max over the parts p of (vectors[tool] . queries[p]) + k0, a = coef[0] and k0 =
         coef[1] - shift, each rounded to float32 (coef: k_moments may compute it just before; shift: the BM25
-        term's, known later); a thread a tool. vectors is run-major (run_major: a warp's loads of one run of 8
-        dimensions are 32 tools' consecutive 16 bytes); a tool's runs are read once for every part, four loads in
-        flight, each part's sum ascending over the dimensions."""
-        tool = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if tool >= n:
+        term's, known later); blocks past the tools' give request_out[e] = the best cosine of request e
+        (requests: their vectors, m of them), so that both share one launch. A thread a row; vectors are
+        run-major (run_major: a warp's loads of one run of 8 dimensions are 32 rows' consecutive 16 bytes); a
+        row's runs are read once for every part, four loads in flight, each part's sum ascending over the
+        dimensions."""
+        b, tools = cuda.blockIdx.x, -(-n // cuda.blockDim.x)
+        if b < tools:
+            rows, count, dst, a, k0 = vectors, n, out, numba.float32(coef[0]), numba.float32(coef[1] - shift)
+        else:
+            b -= tools
+            rows, count, dst, a, k0 = requests, m, request_out, numba.float32(1.0), numba.float32(0.0)
+        row = b * cuda.blockDim.x + cuda.threadIdx.x
+        if row >= count:
             return
         s = (numba.float32(0.0), _start(1, parts), _start(2, parts), _start(3, parts), _start(4, parts),
              _start(5, parts), _start(6, parts), _start(7, parts))
-        at, step = tool * 8, n * 8
+        at, step = row * 8, count * 8
         j = 0
         while j + 32 <= dim:
-            x0, x1, x2, x3 = ld8(vectors, at), ld8(vectors, at + step), ld8(vectors, at + 2 * step), \
-                ld8(vectors, at + 3 * step)
+            x0, x1, x2, x3 = ld8(rows, at), ld8(rows, at + step), ld8(rows, at + 2 * step), ld8(rows, at + 3 * step)
             s = _run(x3, queries, j + 24, dim, parts, _run(x2, queries, j + 16, dim, parts, _run(
                 x1, queries, j + 8, dim, parts, _run(x0, queries, j, dim, parts, s))))
             at += 4 * step
             j += 32
         while j < dim:
-            s = _run(ld8(vectors, at), queries, j, dim, parts, s)
+            s = _run(ld8(rows, at), queries, j, dim, parts, s)
             at += step
             j += 8
         best = max(max(max(s[0], s[1]), max(s[2], s[3])), max(max(s[4], s[5]), max(s[6], s[7])))
-        out[tool] = numba.float32(coef[0]) * best + numba.float32(coef[1] - shift)
+        dst[row] = a * best + k0
 
     return k_fuse
 
@@ -273,12 +283,25 @@ def k_top(scores, n, top, out_scores, out_ids):
 @cuda.jit(cache=not SIM)
 def k_merge(scores, ids, lists, top, out_scores, out_ids):
     """The best `top` of k_top's `lists` lists of `top` entries each, best first, into out_*[:top]: one warp's
-    tournament."""
+    tournament, over the lists staged in shared memory by the whole block where they fit (STAGED entries), so that
+    a round's new head is a shared load, not a global one."""
     pos = cuda.shared.array(MAX_LISTS, numba.int32)
-    lane = cuda.threadIdx.x
-    for j in range(lane, lists, WARP):
+    sv = cuda.shared.array(STAGED, numba.float32)
+    si = cuda.shared.array(STAGED, numba.int32)
+    tid = cuda.threadIdx.x
+    staged = lists * top <= STAGED
+    if staged:
+        for e in range(tid, lists * top, cuda.blockDim.x):
+            sv[e], si[e] = scores[e], ids[e]
+    for j in range(tid, lists, cuda.blockDim.x):
         pos[j] = 0
-    _tournament(scores, ids, lists, top, pos, top, lane, out_scores, out_ids, 0)
+    cuda.syncthreads()
+    if tid >= WARP:
+        return
+    if staged:
+        _tournament(sv, si, lists, top, pos, top, tid, out_scores, out_ids, 0)
+    else:
+        _tournament(scores, ids, lists, top, pos, top, tid, out_scores, out_ids, 0)
 
 
 class DeviceScorer:
@@ -321,27 +344,28 @@ class DeviceScorer:
         self.moments = Launch(k.moments, MOMENT_THREADS, 0, dict(queries=self.queries, mean=self.mean, gram=self.gram,
                                                                   dim=dim, weight=self.dense, partial=self.partial,
                                                                   done=self.done, coef=self.coef), h)
-        self.fuse = [Launch(f, FUSE_THREADS, 0, dict(vectors=self.vectors, dim=dim, n=n, queries=self.queries,
-                                                     coef=self.coef, shift=self.shift, out=self.scores), h)
-                     for f in k.fuse]
         self.add = Launch(k.add, 256, 0, dict(ids=self.matched, values=self.matched.view(np.float32), m=self.m,
                                               c=self.c, out=self.scores), h)
         self.best = Best(self.scores, n, self.top, MAX_N, self.stream)
-        self.vote = None
+        self.vote, self.m_requests = None, 0
+        self.requests, self.request_scores = cuda.device_array(0, np.float16), cuda.device_array(0, np.float32)
         if voters is not None and len(voters[1]):
             requests, owner = voters
             count = min(NEIGHBOURS, len(owner))
+            self.m_requests = len(owner)
             self.requests = cuda.to_device(run_major(requests))
             self.request_scores = cuda.device_array(len(owner), np.float32)
             self.owner = cuda.to_device(np.ascontiguousarray(owner, np.int32))
-            unit = cuda.to_device(np.array([1.0, 0.0]))
-            self.request_fuse = [Launch(f, FUSE_THREADS, 0, dict(vectors=self.requests, dim=dim, n=len(owner),
-                                                                 queries=self.queries, coef=unit, shift=0.0,
-                                                                 out=self.request_scores), h) for f in k.fuse]
             self.nearest = Best(self.request_scores, len(owner), Scalar(ctypes.c_int32, count), count, self.stream)
             self.vote = Launch(k.vote, VOTERS, 0, dict(
                 near_scores=self.nearest.scores, near_ids=self.nearest.ids, owner=self.owner, count=count,
                 weight=self.weight, temperature=VOTE_TEMPERATURE, out=self.scores), h)
+        self.fuse = [Launch(f, FUSE_THREADS, 0, dict(vectors=self.vectors, n=n, out=self.scores,
+                                                     requests=self.requests, m=self.m_requests,
+                                                     request_out=self.request_scores, dim=dim, queries=self.queries,
+                                                     coef=self.coef, shift=self.shift), h)
+                     for f in k.fuse]     # by the intent's parts
+        self.request_blocks = -(-self.m_requests // FUSE_THREADS)
 
     def shortlist(self, queries: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
                   top: int, vote_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
@@ -391,9 +415,9 @@ class DeviceScorer:
         self.c.value, self.weight.value = c, vote_weight
         self.m.value, self.top.value = m, top
         s.h2d(self.matched, self.host_matched, 2 * m)
-        self.fuse[self.parts - 1].launch(-(-self.n // FUSE_THREADS))
-        if self.vote is not None and vote_weight:
-            self.request_fuse[self.parts - 1].launch(-(-len(self.owner) // FUSE_THREADS))
+        voting = self.vote is not None and vote_weight
+        self.fuse[self.parts - 1].launch(-(-self.n // FUSE_THREADS) + (self.request_blocks if voting else 0))
+        if voting:
             self.nearest.launch()
             self.vote.launch(1)
         if m:
@@ -424,8 +448,9 @@ class Best:
         k = Kernels.get()
         self.part = Launch(k.top, SORT, 0, dict(scores=scores, n=n, top=top, out_scores=part_scores,
                                                 out_ids=part_ids), stream.handle)
-        self.merge = Launch(k.merge, WARP, 0, dict(scores=part_scores, ids=part_ids, lists=self.lists, top=top,
-                                                   out_scores=self.scores, out_ids=self.ids), stream.handle)
+        self.merge = Launch(k.merge, MERGE_THREADS, 0, dict(scores=part_scores, ids=part_ids, lists=self.lists,
+                                                            top=top, out_scores=self.scores, out_ids=self.ids),
+                            stream.handle)
 
     def launch(self) -> None:
         self.part.launch(self.lists)
@@ -444,7 +469,8 @@ class Kernels:
     _instance = None
 
     def __init__(self):
-        self.fuse = [Kernel(f"k_fuse{p}", dispatcher=fuse_kernel(p), argtypes=(_H, _S, _S, _F, _D, t.float64, _F))
+        self.fuse = [Kernel(f"k_fuse{p}", dispatcher=fuse_kernel(p), argtypes=(_H, _S, _F, _H, _S, _F, _S, _F, _D,
+                                                                               t.float64))
                      for p in range(1, MAX_PARTS + 1)]      # by the intent's parts
         self.moments = Kernel("k_moments", dispatcher=k_moments, argtypes=(_F, _D, _D, _S, t.float64, _D, _I, _D))
         self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
