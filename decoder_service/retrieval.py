@@ -48,10 +48,11 @@ class Shortlist:
     ids: np.ndarray      # int32 pointer ids, best first
     scores: np.ndarray   # float32 fused retrieval scores, in the same order
     seconds: float       # time to retrieve
+    intent_ids: list[int] | None = None   # the prompt's tokens of the intent, if taken while the device scored
 
     def head(self, n: int) -> "Shortlist":
         """The best n of this shortlist (a shorter prompt's, from the same retrieval)."""
-        return Shortlist(self.ids[:n], self.scores[:n], self.seconds)
+        return Shortlist(self.ids[:n], self.scores[:n], self.seconds, self.intent_ids)
 
 
 def tool_texts(trie: Trie) -> list[str]:
@@ -204,19 +205,23 @@ class Retriever:
         np.add.at(out, owner[mine[near]], share / share.sum())
         return out
 
-    def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None) -> Shortlist:
+    def shortlist(self, intent: str, n: int, allow: np.ndarray | None = None, tokenize=None) -> Shortlist:
         """The n best tools for the intent among those allowed (all when allow is None), best first; on a
-        GPU the whole catalog is scored on the device, behind the intent's encoder pass."""
+        GPU the whole catalog is scored on the device, behind the intent's encoder pass. tokenize(intent): the
+        generator's tokens of it for the prompt, taken while the device scores (P120; elsewhere the prompt's
+        builder takes them)."""
         started = time.perf_counter()
         n = min(n, self.size if allow is None else len(allow))
+        intent_ids = None
         if self.device is not None and allow is None and n <= self.device_max:
-            ids, scores = self.device.retrieve(self.encoder.token_ids(intent_parts(intent)), self.dense_weight,
-                                               lambda: self.lexical(intent), n, self.vote_weight)
+            ids, scores, intent_ids = self.device.retrieve(
+                self.encoder.token_ids(intent_parts(intent)), self.dense_weight, lambda: self.lexical(intent), n,
+                self.vote_weight, tokenize and (lambda: tokenize(intent)))
         else:
             fused = self.scores(intent, allow)
             ids = top_n(fused, n)
             scores = fused[ids]
-        return Shortlist(ids, scores, time.perf_counter() - started)
+        return Shortlist(ids, scores, time.perf_counter() - started, intent_ids)
 
     def lexical(self, intent: str) -> tuple[np.ndarray, np.ndarray, float, float]:
         """BM25's side of `scores`' fusion over every tool, for the device: (ids, values) of the tools it

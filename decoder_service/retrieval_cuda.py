@@ -380,14 +380,16 @@ class DeviceScorer:
             self.stream.h2d(self.coef, self.host_coef, 2)
             self.shift.value = 0.0
             self.parts = len(queries)
-            return self._finish(matched, c, top, vote_weight)
+            self._enqueue(matched, c, top, vote_weight)
+            return self._result(top)
 
-    def retrieve(self, seqs: list[np.ndarray], dense: float, lexical, top: int,
-                 vote_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    def retrieve(self, seqs: list[np.ndarray], dense: float, lexical, top: int, vote_weight: float,
+                 beside=None) -> tuple[np.ndarray, np.ndarray, object]:
         """shortlist's (ids, scores) for the intent's parts (seqs: their token ids), their vectors encoded on the
         device and never copied out: the dense term standardised over every tool (k_moments) and weighted by
         `dense`. lexical() -> (ids, values, c, shift): BM25's matched tools and c * bm25 - shift, its
-        standardised, weighted term, computed on the host while the device encodes."""
+        standardised, weighted term, computed on the host while the device encodes; beside(): more host work, run
+        once the rest is enqueued, while the device scores (its result third, None without it)."""
         if self.encoder is None:
             raise ValueError("retrieve encodes on the device: build the scorer with the CUDA encoder")
         self._check(top, len(seqs))
@@ -398,7 +400,9 @@ class DeviceScorer:
             self.moments.launch(self.moment_blocks)
             ids, values, c, shift = lexical()
             self.shift.value = shift
-            return self._finish((ids, values), c, top, vote_weight)
+            self._enqueue((ids, values), c, top, vote_weight)
+            aside = beside() if beside is not None else None
+            return (*self._result(top), aside)
 
     def _check(self, top: int, parts: int) -> None:
         if top > MAX_N or top > self.n:
@@ -406,9 +410,8 @@ class DeviceScorer:
         if not 1 <= parts <= MAX_PARTS:
             raise ValueError(f"the device scorer takes 1 to {MAX_PARTS} query vectors, got {parts}")
 
-    def _finish(self, matched: tuple[np.ndarray, np.ndarray], c: float, top: int,
-                vote_weight: float) -> tuple[np.ndarray, np.ndarray]:
-        """Enqueue the shortlist behind the queries and coef (in this caller's turn), wait, and return it."""
+    def _enqueue(self, matched: tuple[np.ndarray, np.ndarray], c: float, top: int, vote_weight: float) -> None:
+        """Enqueue the shortlist and its copy back behind the queries and coef (in this caller's turn)."""
         ids, values = matched
         s, m = self.stream, len(ids)
         self.host_matched[:m], self.host_values[m:2 * m] = ids, values
@@ -424,7 +427,10 @@ class DeviceScorer:
             self.add.launch(-(-m // 256))
         self.best.launch()
         self.best.fetch(top)
-        s.synchronize()
+
+    def _result(self, top: int) -> tuple[np.ndarray, np.ndarray]:
+        """Wait for the enqueued shortlist (in the same turn) and return its (ids, scores)."""
+        self.stream.synchronize()
         return self.best.host_ids[:top].copy(), self.best.host_scores[:top].copy()
 
 

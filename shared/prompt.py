@@ -44,12 +44,14 @@ class PromptTemplate:
         """One tool's line of the shortlist (request_ids joins their tokens)."""
         return tool_line(name, description, self.description_chars)
 
-    def request_ids(self, tokenizer, lines: list[list[int]], intent: str, k: int) -> list[int]:
+    def request_ids(self, tokenizer, lines: list[list[int]], intent: str, k: int,
+                    intent_ids: list[int] | None = None) -> list[int]:
         """The request's own tokens after the prefix: the suffix with {k} filled, the shortlist's lines (`line`,
         tokenized) joined by newlines at {tools}, and the intent at {intent}, tokenized as user text (`encode_plain`: a
         "<|im_end|>" typed by a user cannot end the turn). Each part is tokenized alone, so a description cannot
         reach the template's placeholders and a version tokenizes each tool's line once; a byte-level BPE
-        splits the whole text at those seams anyway (tests/test_prompt.py: the same tokens)."""
+        splits the whole text at those seams anyway (tests/test_prompt.py: the same tokens). intent_ids: the
+        intent's `encode_plain` tokens where the caller took them already (while the device retrieved: P120)."""
         head, middle, tail, newline, listed = template_ids(self, tokenizer, k)
         ids = list(head)
         for i, line in enumerate(lines if listed else []):
@@ -57,7 +59,7 @@ class PromptTemplate:
                 ids += newline
             ids += line
         ids += middle
-        ids += tokenizer.encode_plain(intent)
+        ids += tokenizer.encode_plain(intent) if intent_ids is None else intent_ids
         ids += tail
         return ids
 

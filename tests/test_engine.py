@@ -1,5 +1,6 @@
 """The constrained batched engine on the CPU backend: exactly k distinct names, allowlists,
 determinism across batches, sparse = dense, KV blocks freed, and bad input refused up front."""
+import dataclasses
 import random
 
 import numpy as np
@@ -95,6 +96,18 @@ def test_trie_for_another_tokenizer_is_refused(engine, tok):
     trie.meta["tokenizer_hash"] = "0" * 64
     with pytest.raises(TokenizerMismatch, match="compiled for tokenizer 000000000000"):
         engine.load_catalog(trie)
+
+
+def test_the_intent_tokens_a_shortlist_carries_make_the_prompt(engine, catalog, tok):
+    """A shortlist retrieved on a GPU carries the intent's prompt tokens, taken while the device scored (P120):
+    submit builds the prompt from them, the same prompt as tokenizing the intent then."""
+    intent = "will it rain in rome tomorrow?"
+    shortlist = engine.retrieve(catalog, intent, 2)
+    given = dataclasses.replace(shortlist, intent_ids=tok.encode_plain(intent))
+    marked = dataclasses.replace(shortlist, intent_ids=tok.encode_plain(intent + " ZZ"))
+    seqs = [engine.submit(catalog, intent, 2, shortlist=s) for s in (shortlist, given, marked)]
+    assert seqs[0].prompt_ids == seqs[1].prompt_ids != seqs[2].prompt_ids
+    engine.run_until_idle()
 
 
 def test_special_token_text_in_the_intent_stays_text(engine, catalog, tok):

@@ -96,7 +96,9 @@ def through_the_retriever(rng, sim: bool) -> list[str]:
     retriever = Retriever(index, n, vectors, encoder)
     out = []
     for intent in ("the weather in rome", "convert the pdf to text and then search a flight, then book a hotel"):
-        got = retriever.shortlist(intent, 10)
+        got = retriever.shortlist(intent, 10, tokenize=str.split)    # the prompt's tokens, while the device scores
+        if got.intent_ids != intent.split():
+            out.append(f"retriever {intent!r}: intent_ids {got.intent_ids}")
         host = retriever.scores(intent)
         want = top_n(host, 10)
         if list(got.ids) != list(want) or not np.allclose(got.scores, host[want], rtol=1e-4, atol=1e-4):

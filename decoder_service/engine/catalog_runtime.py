@@ -145,11 +145,12 @@ class CatalogRuntime:
         np.cumsum([len(x) for x in ids], out=offsets[1:])
         return np.fromiter((t for x in ids for t in x), np.int32, int(offsets[-1])), offsets
 
-    def request_ids(self, tools, intent: str, k: int) -> list[int]:
+    def request_ids(self, tools, intent: str, k: int, intent_ids: list[int] | None = None) -> list[int]:
         """A request's own prompt tokens after the prefix (PromptTemplate.request_ids): its shortlist's lines
-        (`tools`: pointer ids) in that order, then the intent and k."""
+        (`tools`: pointer ids) in that order, then the intent (intent_ids: its tokens, already taken) and k."""
         flat, at = self.lines
-        return self.template.request_ids(self.tokenizer, [flat[at[i]:at[i + 1]].tolist() for i in tools], intent, k)
+        return self.template.request_ids(self.tokenizer, [flat[at[i]:at[i + 1]].tolist() for i in tools], intent, k,
+                                         intent_ids)
 
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""

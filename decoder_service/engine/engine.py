@@ -169,7 +169,8 @@ class DecodeEngine:
                 raise RequestError(f"k={k} is larger than the allowlist's {len(allowed)} tools")
         elif k > n_tools:
             raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
-        return catalog.retriever.shortlist(intent, max(size or self.config.shortlist, k), allowed)
+        return catalog.retriever.shortlist(intent, max(size or self.config.shortlist, k), allowed,
+                                           catalog.tokenizer.encode_plain)
 
     def submit(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
                request_id: str | None = None, timeout: float | None = None,
@@ -182,7 +183,7 @@ class DecodeEngine:
             shortlist = self.retrieve(catalog, intent, k, allow)
         if timeout is not None and timeout <= 0:
             raise Expired("the request's deadline passed before it was queued")
-        prompt = catalog.prefix_ids + catalog.request_ids(shortlist.ids, intent, k)
+        prompt = catalog.prefix_ids + catalog.request_ids(shortlist.ids, intent, k, shortlist.intent_ids)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
