@@ -214,9 +214,10 @@ class Retriever:
         n = min(n, self.size if allow is None else len(allow))
         intent_ids = None
         if self.device is not None and allow is None and n <= self.device_max:
-            ids, scores, intent_ids = self.device.retrieve(
-                self.encoder.token_ids(intent_parts(intent)), self.dense_weight, lambda: self.lexical(intent), n,
-                self.vote_weight, tokenize and (lambda: tokenize(intent)))
+            beside = (lambda: tokenize(intent)) if tokenize is not None else None
+            ids, scores, intent_ids = self.device.retrieve(self.encoder.token_ids(intent_parts(intent)),
+                                                           self.dense_weight, lambda: self.lexical(intent), n,
+                                                           self.vote_weight, beside)
         else:
             fused = self.scores(intent, allow)
             ids = top_n(fused, n)
