@@ -23,7 +23,7 @@ from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
 from numba.cuda import types as t  # noqa: E402
 
-FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a tool
+FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a row (a tool's or a request's)
 MOMENT_LANES = 4 if SIM else 32     # k_moments: threads a row of the tools' second moment
 MOMENT_THREADS = 16 if SIM else 256  # k_moments' block (MOMENT_THREADS / MOMENT_LANES rows)
 SORT = 64 if SIM else 1024  # k_top's block: a thread an entry of its slice
@@ -347,12 +347,11 @@ class DeviceScorer:
         self.add = Launch(k.add, 256, 0, dict(ids=self.matched, values=self.matched.view(np.float32), m=self.m,
                                               c=self.c, out=self.scores), h)
         self.best = Best(self.scores, n, self.top, MAX_N, self.stream)
-        self.vote, self.m_requests = None, 0
+        self.vote = None
         self.requests, self.request_scores = cuda.device_array(0, np.float16), cuda.device_array(0, np.float32)
         if voters is not None and len(voters[1]):
             requests, owner = voters
             count = min(NEIGHBOURS, len(owner))
-            self.m_requests = len(owner)
             self.requests = cuda.to_device(run_major(requests))
             self.request_scores = cuda.device_array(len(owner), np.float32)
             self.owner = cuda.to_device(np.ascontiguousarray(owner, np.int32))
@@ -361,11 +360,11 @@ class DeviceScorer:
                 near_scores=self.nearest.scores, near_ids=self.nearest.ids, owner=self.owner, count=count,
                 weight=self.weight, temperature=VOTE_TEMPERATURE, out=self.scores), h)
         self.fuse = [Launch(f, FUSE_THREADS, 0, dict(vectors=self.vectors, n=n, out=self.scores,
-                                                     requests=self.requests, m=self.m_requests,
+                                                     requests=self.requests, m=len(self.request_scores),
                                                      request_out=self.request_scores, dim=dim, queries=self.queries,
                                                      coef=self.coef, shift=self.shift), h)
                      for f in k.fuse]     # by the intent's parts
-        self.request_blocks = -(-self.m_requests // FUSE_THREADS)
+        self.request_blocks = -(-len(self.request_scores) // FUSE_THREADS)
 
     def shortlist(self, queries: np.ndarray, a: float, k0: float, matched: tuple[np.ndarray, np.ndarray], c: float,
                   top: int, vote_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:

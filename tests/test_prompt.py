@@ -48,7 +48,7 @@ def test_joined_lines_are_the_whole_texts_tokens(tok, name):
         lines = [tok.encode(template.line(n, d)) for n, d in zip(names, descriptions)]
         want = whole_text_ids(template, tok, names, descriptions, intent, k)
         assert template.request_ids(tok, lines, intent, k) == want, intent
-        assert template.request_ids(tok, lines, intent, k, tok.encode_plain(intent)) == want, intent   # P120
+        assert template.request_ids(tok, lines, "", k, tok.encode_plain(intent)) == want, intent   # given tokens: P120
 
 
 def test_a_description_that_spells_a_placeholder_stays_text(small_tokenizer_dir):
