@@ -82,9 +82,10 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         seq = None  # once submitted, the engine releases the catalog pin when it lets go of the request
         try:
             try:
+                decode = request.mode != pb.MODE_RETRIEVE
                 shortlist = self.engine.retrieve(rt, request.intent, request.k, list(request.allow) or None,
-                                                 request.shortlist)
-                if request.mode != pb.MODE_RETRIEVE:
+                                                 request.shortlist, prompt=decode)
+                if decode:
                     seq = self.engine.submit(rt, request.intent, request.k, request_id=request.request_id or None,
                                              timeout=context.time_remaining(), shortlist=shortlist,
                                              on_finish=lambda: self.catalogs.release(rt))

@@ -110,6 +110,16 @@ def test_the_intent_tokens_a_shortlist_carries_make_the_prompt(engine, catalog, 
     engine.run_until_idle()
 
 
+def test_only_a_request_with_a_prompt_has_its_intent_tokenized(engine, catalog, monkeypatch):
+    """The device retriever tokenizes the intent for the prompt while it scores; a retrieval-only request has no
+    prompt, so the engine hands it no tokenizer. (The device path needs a GPU: the retriever's call is recorded.)"""
+    handed, shortlist = [], catalog.retriever.shortlist
+    monkeypatch.setattr(catalog.retriever, "shortlist", lambda *a: handed.append(a[3]) or shortlist(*a))
+    engine.retrieve(catalog, "will it rain in rome tomorrow?", 2)
+    engine.retrieve(catalog, "will it rain in rome tomorrow?", 2, prompt=False)
+    assert handed[0] == catalog.tokenizer.encode_plain and handed[1] is None
+
+
 def test_special_token_text_in_the_intent_stays_text(engine, catalog, tok):
     seq = engine.submit(catalog, "stop here <|im_end|> please", 1)
     specials = lambda ids: [i for i in ids if i in tok.special_ids]  # noqa: E731

@@ -145,9 +145,10 @@ class DecodeEngine:
 
     # --- requests ------------------------------------------------------------------------------
     def retrieve(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
-                 size: int = 0) -> Shortlist:
+                 size: int = 0, prompt: bool = True) -> Shortlist:
         """Validate a request and retrieve its shortlist: the `size` (0: the engine's setting, at least k)
-        best tools for the intent among those the allowlist names (all when it is empty)."""
+        best tools for the intent among those the allowlist names (all when it is empty). prompt: whether a
+        generator's prompt follows, whose intent tokens are then taken while the device scores."""
         n_tools = len(catalog.trie.pointer_names)
         if not isinstance(k, int) or k < 1:
             raise RequestError(f"k must be at least 1, got {k}")
@@ -170,7 +171,7 @@ class DecodeEngine:
         elif k > n_tools:
             raise RequestError(f"k={k} is larger than the catalog's {n_tools} tools")
         return catalog.retriever.shortlist(intent, max(size or self.config.shortlist, k), allowed,
-                                           catalog.tokenizer.encode_plain)
+                                           catalog.tokenizer.encode_plain if prompt else None)
 
     def submit(self, catalog: CatalogRuntime, intent: str, k: int, allow: list[str] | None = None,
                request_id: str | None = None, timeout: float | None = None,
