@@ -25,7 +25,7 @@ from numba.cuda import types as t  # noqa: E402
 
 FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a row (a tool's or a request's)
 MOMENT_LANES = 4 if SIM else 32     # k_moments: threads a row of the tools' second moment
-MOMENT_THREADS = 16 if SIM else 256  # k_moments' block (MOMENT_THREADS / MOMENT_LANES rows)
+MOMENT_THREADS = 32 if SIM else 256  # k_moments' block (MOMENT_THREADS / MOMENT_LANES rows)
 SORT = 64 if SIM else 1024  # k_top's block: a thread an entry of its slice
 WARPS = SORT // WARP        # k_top's warps: the sorted lists its first warp merges
 MAX_LISTS = 64 if SIM else 4096   # k_merge: most k_top blocks (lists) it merges
@@ -125,40 +125,57 @@ def k_moments(queries, mean, gram, dim, weight, partial, done, coef):
     weight / sqrt(v) (0 where v is 0). Block b sums, for its rows i (a warp each, the lanes striding the
     columns), mean[i] q[i] and q[i] (gram q)[i] into partial[2b:2b + 2], in float64 (each lane's columns
     ascending, then the lanes', then the rows', in order); the last block to finish adds the blocks' sums in
-    block order and writes coef."""
+    block order and writes coef. Loads go out ahead of their sums (a lane's four columns; the last block's
+    partials, by all its threads), the additions in the same order (P121)."""
     tid = cuda.threadIdx.x
     lane, w = tid % MOMENT_LANES, tid // MOMENT_LANES
     rows = cuda.blockDim.x // MOMENT_LANES
     i = cuda.blockIdx.x * rows + w
     red = cuda.shared.array(MOMENT_THREADS, numba.float64)
+    last = cuda.shared.array(1, numba.int32)
     g = numba.float64(0.0)
     if i < dim:
-        for j in range(lane, dim, MOMENT_LANES):
-            g += gram[i * dim + j] * numba.float64(queries[j])
+        j, L, at = lane, MOMENT_LANES, i * dim
+        while j + 3 * L < dim:
+            x0, x1, x2, x3 = gram[at + j], gram[at + j + L], gram[at + j + 2 * L], gram[at + j + 3 * L]
+            g += x0 * numba.float64(queries[j])
+            g += x1 * numba.float64(queries[j + L])
+            g += x2 * numba.float64(queries[j + 2 * L])
+            g += x3 * numba.float64(queries[j + 3 * L])
+            j += 4 * L
+        while j < dim:
+            g += gram[at + j] * numba.float64(queries[j])
+            j += L
     red[tid] = g
+    cuda.syncthreads()
+    if tid == 0:
+        m = q2 = numba.float64(0.0)
+        for r in range(rows):
+            row = cuda.blockIdx.x * rows + r
+            if row < dim:
+                gi = numba.float64(0.0)
+                for e in range(MOMENT_LANES):
+                    gi += red[r * MOMENT_LANES + e]
+                qi = numba.float64(queries[row])
+                m += mean[row] * qi
+                q2 += qi * gi
+        partial[2 * cuda.blockIdx.x] = m
+        partial[2 * cuda.blockIdx.x + 1] = q2
+        cuda.threadfence()
+        last[0] = 1 if cuda.atomic.add(done, 0, 1) == cuda.gridDim.x - 1 else 0
+    cuda.syncthreads()
+    if last[0] == 0:
+        return
+    for e in range(tid, 2 * cuda.gridDim.x, cuda.blockDim.x):   # the last block: every block's sums are written
+        red[e] = ld_l2(partial, e)
     cuda.syncthreads()
     if tid != 0:
         return
-    m = q2 = numba.float64(0.0)
-    for r in range(rows):
-        row = cuda.blockIdx.x * rows + r
-        if row < dim:
-            gi = numba.float64(0.0)
-            for e in range(MOMENT_LANES):
-                gi += red[r * MOMENT_LANES + e]
-            qi = numba.float64(queries[row])
-            m += mean[row] * qi
-            q2 += qi * gi
-    partial[2 * cuda.blockIdx.x] = m
-    partial[2 * cuda.blockIdx.x + 1] = q2
-    cuda.threadfence()
-    if cuda.atomic.add(done, 0, 1) != cuda.gridDim.x - 1:
-        return
-    done[0] = 0          # the last block: every block's sums are written
+    done[0] = 0
     m = q2 = numba.float64(0.0)
     for b in range(cuda.gridDim.x):
-        m += ld_l2(partial, 2 * b)
-        q2 += ld_l2(partial, 2 * b + 1)
+        m += red[2 * b]
+        q2 += red[2 * b + 1]
     sd = math.sqrt(max(q2 - m * m, 0.0))
     a = weight / sd if sd > 0 else 0.0
     coef[0] = a
@@ -311,8 +328,9 @@ class DeviceScorer:
 
     def __init__(self, vectors: np.ndarray, voters: tuple[np.ndarray, np.ndarray] | None = None, encoder=None):
         n, dim = vectors.shape
-        if dim % 8:
-            raise ValueError(f"k_fuse reads vectors in runs of 8, not a dimension of {dim}")
+        if dim % 8 or dim > MOMENT_THREADS ** 2 // MOMENT_LANES // 2:
+            raise ValueError(f"k_fuse reads vectors in runs of 8, k_moments' last block a partial a thread: not a "
+                             f"dimension of {dim}")
         if not holds(n, len(voters[1]) if voters is not None else 0):
             raise ValueError(f"the device scorer holds at most {MAX_TOOLS} tools and requests")
         self.n, self.dim, self.encoder = n, dim, encoder
