@@ -16,8 +16,8 @@ import math
 import numba
 import numpy as np
 
-from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld_l2, xor_pair
-from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream  # numpy fix first
+from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld_l2, pdl_enter, xor_pair
+from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream, new_event  # numpy fix first
 from decoder_service.encoder.turns import Turns
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
@@ -82,6 +82,7 @@ def fuse_kernel(parts: int):
         run-major (run_major: a warp's loads of one run of 8 dimensions are 32 rows' consecutive 16 bytes); a
         row's runs are read once for every part, four loads in flight, each part's sum ascending over the
         dimensions."""
+        pdl_enter()
         b, tools = cuda.blockIdx.x, -(-n // cuda.blockDim.x)
         if b < tools:
             rows, count, dst, a, k0 = vectors, n, out, numba.float32(coef[0]), numba.float32(coef[1] - shift)
@@ -127,6 +128,7 @@ def k_moments(queries, mean, gram, dim, weight, partial, done, coef):
     ascending, then the lanes', then the rows', in order); the last block to finish adds the blocks' sums in
     block order and writes coef. Loads go out ahead of their sums (a lane's four columns; the last block's
     partials, by all its threads), the additions in the same order (P121)."""
+    pdl_enter()
     tid = cuda.threadIdx.x
     lane, w = tid % MOMENT_LANES, tid // MOMENT_LANES
     rows = cuda.blockDim.x // MOMENT_LANES
@@ -186,6 +188,7 @@ def k_moments(queries, mean, gram, dim, weight, partial, done, coef):
 def k_add(ids, values, m, c, out):
     """out[ids[i]] += c * values[m + i]: the BM25 term of the m tools the query matched (distinct ids; ids and
     values are one buffer, as one copy brings them)."""
+    pdl_enter()
     i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
     if i < m:
         out[ids[i]] += c * values[m + i]
@@ -197,6 +200,7 @@ def k_vote(near_scores, near_ids, owner, count, weight, temperature, out):
     softmax of their cosines, in float64. Thread r reads the r-th nearest; the shares' total is summed in rank
     order, and the first thread of each tool adds its requests' shares in rank order: the arithmetic of one
     thread adding them one by one, without its chain of dependent loads."""
+    pdl_enter()
     e = cuda.shared.array(VOTERS, numba.float64)
     tool = cuda.shared.array(VOTERS, numba.int32)
     r = cuda.threadIdx.x
@@ -280,6 +284,7 @@ def _tournament(sv, si, lists, length, pos, top, lane, out_scores, out_ids, base
 def k_top(scores, n, top, out_scores, out_ids):
     """Block b: the best `top` of scores[b * SORT:(b + 1) * SORT] (ids their indices), best first, into
     out_*[b * top:]. Each warp sorts its entries in registers, then the first warp merges the warps' lists."""
+    pdl_enter()
     sv = cuda.shared.array(SORT, numba.float32)
     si = cuda.shared.array(SORT, numba.int32)
     pos = cuda.shared.array(WARPS, numba.int32)
@@ -302,6 +307,7 @@ def k_merge(scores, ids, lists, top, out_scores, out_ids):
     """The best `top` of k_top's `lists` lists of `top` entries each, best first, into out_*[:top]: one warp's
     tournament, over the lists staged in shared memory by the whole block where they fit (STAGED entries), so that
     a round's new head is a shared load, not a global one."""
+    pdl_enter()
     pos = cuda.shared.array(MAX_LISTS, numba.int32)
     sv = cuda.shared.array(STAGED, numba.float32)
     si = cuda.shared.array(STAGED, numba.int32)
@@ -336,6 +342,7 @@ class DeviceScorer:
         self.n, self.dim, self.encoder = n, dim, encoder
         self.stream = encoder.stream if encoder is not None else Stream()
         self.turns = encoder.turns if encoder is not None else Turns()
+        self.side, self.copied = Stream(), new_event()   # BM25's matches come in beside the encoder's pass
         self.vectors = cuda.to_device(run_major(vectors))
         tools = np.asarray(vectors, np.float64)
         gram = tools.T @ tools / n
@@ -434,13 +441,15 @@ class DeviceScorer:
         self.host_matched[:m], self.host_values[m:2 * m] = ids, values
         self.c.value, self.weight.value = c, vote_weight
         self.m.value, self.top.value = m, top
-        s.h2d(self.matched, self.host_matched, 2 * m)
+        self.side.h2d(self.matched, self.host_matched, 2 * m)
+        self.side.record(self.copied)
         voting = self.vote is not None and vote_weight
         self.fuse[self.parts - 1].launch(-(-self.n // FUSE_THREADS) + (self.request_blocks if voting else 0))
         if voting:
             self.nearest.launch()
             self.vote.launch(1)
         if m:
+            s.wait(self.copied)
             self.add.launch(-(-m // 256))
         self.best.launch()
         self.best.fetch(top)
@@ -492,14 +501,16 @@ class Kernels:
     _instance = None
 
     def __init__(self):
+        # every one with PDL: each waits for the one before it, whose run then covers its launch
         self.fuse = [Kernel(f"k_fuse{p}", dispatcher=fuse_kernel(p), argtypes=(_H, _S, _F, _H, _S, _F, _S, _F, _D,
-                                                                               t.float64))
+                                                                               t.float64), pdl=True)
                      for p in range(1, MAX_PARTS + 1)]      # by the intent's parts
-        self.moments = Kernel("k_moments", dispatcher=k_moments, argtypes=(_F, _D, _D, _S, t.float64, _D, _I, _D))
-        self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
-        self.top = Kernel("k_top", dispatcher=k_top, argtypes=(_F, _S, _S, _F, _I))
-        self.merge = Kernel("k_merge", dispatcher=k_merge, argtypes=(_F, _I, _S, _S, _F, _I))
-        self.vote = Kernel("k_vote", dispatcher=k_vote, argtypes=(_F, _I, _I, _S, _X, t.float64, _F))
+        self.moments = Kernel("k_moments", dispatcher=k_moments, argtypes=(_F, _D, _D, _S, t.float64, _D, _I, _D),
+                              pdl=True)
+        self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F), pdl=True)
+        self.top = Kernel("k_top", dispatcher=k_top, argtypes=(_F, _S, _S, _F, _I), pdl=True)
+        self.merge = Kernel("k_merge", dispatcher=k_merge, argtypes=(_F, _I, _S, _S, _F, _I), pdl=True)
+        self.vote = Kernel("k_vote", dispatcher=k_vote, argtypes=(_F, _I, _I, _S, _X, t.float64, _F), pdl=True)
 
     @classmethod
     def get(cls) -> "Kernels":

@@ -309,6 +309,11 @@ class Stream:
         if not SIM:
             check(drv.cuEventRecord(event, self.handle), "cuEventRecord")
 
+    def wait(self, event) -> None:
+        """Work enqueued after this waits for the work before `event` on its own stream."""
+        if not SIM:
+            check(drv.cuStreamWaitEvent(self.handle, event, 0), "cuStreamWaitEvent")
+
 
 def new_event(timing: bool = False):
     if SIM:
