@@ -12,12 +12,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import weakref
 
 import numba
 import numpy as np
 
 from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld_l2, pdl_enter, xor_pair
-from decoder_service.model.cuda.launcher import SIM, Kernel, Launch, Scalar, Stream, new_event  # numpy fix first
+from decoder_service.model.cuda.launcher import (SIM, Kernel, Launch, Scalar, Stream, destroy_event,  # numpy fix first
+                                                 new_event)
 from decoder_service.encoder.turns import Turns
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda  # noqa: E402
@@ -343,6 +345,7 @@ class DeviceScorer:
         self.stream = encoder.stream if encoder is not None else Stream()
         self.turns = encoder.turns if encoder is not None else Turns()
         self.side, self.copied = Stream(), new_event()   # BM25's matches come in beside the encoder's pass
+        weakref.finalize(self, destroy_event, self.copied)
         self.vectors = cuda.to_device(run_major(vectors))
         tools = np.asarray(vectors, np.float64)
         gram = tools.T @ tools / n

@@ -322,6 +322,12 @@ def new_event(timing: bool = False):
     return check(drv.cuEventCreate(flags), "cuEventCreate")
 
 
+def destroy_event(event) -> None:
+    """Release an event of new_event's (for the owners that come and go, such as a catalog version's scorer)."""
+    if not SIM and event is not None and drv is not None:
+        drv.cuEventDestroy(event)
+
+
 def event_wait_host(event) -> None:
     if not SIM and event is not None:
         check(drv.cuEventSynchronize(event), "cuEventSynchronize")
