@@ -5,7 +5,8 @@ cosine with the intent's parts, compiled for each count of parts), the requests'
 tools score the requests, Best keeps the nearest, k_vote), k_add (BM25) and Best (k_top: warps' bitonic sorts merged
 by a tournament of one warp; k_merge: the blocks' lists merged the same way, staged in shared memory) leave only n
 ids and scores for the host, in retrieval.top_n's order, the same in any order of requests (P78, P107, P112, P117,
-P118).
+P118). Every kernel is launched with PDL, and BM25's matches come in on a side stream while the intent's encoder
+pass runs (P124).
 """
 from __future__ import annotations
 
@@ -504,16 +505,15 @@ class Kernels:
     _instance = None
 
     def __init__(self):
-        # every one with PDL: each waits for the one before it, whose run then covers its launch
-        self.fuse = [Kernel(f"k_fuse{p}", dispatcher=fuse_kernel(p), argtypes=(_H, _S, _F, _H, _S, _F, _S, _F, _D,
-                                                                               t.float64), pdl=True)
+        pdl = functools.partial(Kernel, pdl=True)   # each waits for the one before it, whose run covers its launch
+        fuse = (_H, _S, _F, _H, _S, _F, _S, _F, _D, t.float64)
+        self.fuse = [pdl(f"k_fuse{p}", dispatcher=fuse_kernel(p), argtypes=fuse)
                      for p in range(1, MAX_PARTS + 1)]      # by the intent's parts
-        self.moments = Kernel("k_moments", dispatcher=k_moments, argtypes=(_F, _D, _D, _S, t.float64, _D, _I, _D),
-                              pdl=True)
-        self.add = Kernel("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F), pdl=True)
-        self.top = Kernel("k_top", dispatcher=k_top, argtypes=(_F, _S, _S, _F, _I), pdl=True)
-        self.merge = Kernel("k_merge", dispatcher=k_merge, argtypes=(_F, _I, _S, _S, _F, _I), pdl=True)
-        self.vote = Kernel("k_vote", dispatcher=k_vote, argtypes=(_F, _I, _I, _S, _X, t.float64, _F), pdl=True)
+        self.moments = pdl("k_moments", dispatcher=k_moments, argtypes=(_F, _D, _D, _S, t.float64, _D, _I, _D))
+        self.add = pdl("k_add", dispatcher=k_add, argtypes=(_I, _F, _S, _X, _F))
+        self.top = pdl("k_top", dispatcher=k_top, argtypes=(_F, _S, _S, _F, _I))
+        self.merge = pdl("k_merge", dispatcher=k_merge, argtypes=(_F, _I, _S, _S, _F, _I))
+        self.vote = pdl("k_vote", dispatcher=k_vote, argtypes=(_F, _I, _I, _S, _X, t.float64, _F))
 
     @classmethod
     def get(cls) -> "Kernels":
