@@ -70,6 +70,12 @@ def markdown(res: dict) -> str:
                      if "device_score" in r else "")
                   + (f"; the parts' token ids p50 {r['token_ids']['p50_ms']:.3f} ms" if "token_ids" in r else "") + ".",
                   ""]
+        steps = r.get("device_steps_us")
+        if steps:
+            lines += ["Its steps on the device, in stream order (µs a launch, each repeated in one captured graph on a "
+                      "query's own inputs, the median over the queries; the gaps between steps not included):", "",
+                      "| " + " | ".join(steps) + " | sum |", "|" + " --- |" * (len(steps) + 1),
+                      "| " + " | ".join(f"{v:.1f}" for v in steps.values()) + f" | {sum(steps.values()):.1f} |", ""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",
               "| shape | workload | side | warm-up s | p50 ms | p90 ms | p99 ms | first pointer p50 ms | "
               "tokens/answer | decode step µs (batch 1) | all at once q/s | repeats |",

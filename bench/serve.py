@@ -12,7 +12,8 @@ random weights) it measures, in this order:
                 and unconstrained (dense head), each a captured graph (GPU only)
   retrieval     the first stage alone (encode the intent, BM25, fused top N) over MetaTool's queries on a
                 catalog of --retrieval-tools tools (100,000), and the time to compute its tool vectors; apart,
-                encoding the intent, its parts, and (GPU) the device scorer with its inputs ready
+                encoding the intent, its parts, and (GPU) the device scorer with its inputs ready, and each
+                of its steps on the device (the encoder pass, the scorer's kernels)
   workloads     MetaTool (199 tools, 469 queries) and Seal-Tools (4,076 tools, global-memory trie):
                 tool vectors and prefix warm-up; per-query wall clock (retrieval, shortlist prompt, decode)
                 and time to first pointer at concurrency 1; every query submitted at once, twice (queries per
@@ -50,6 +51,9 @@ from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors, intent_parts
 from shared.config import DEFAULT_MODEL_DIR, Settings
 from shared.tokenizer import ModelTokenizer
+
+
+STEP_QUERIES = 30   # the queries whose device retrieval the retrieval table times step by step
 
 
 def percentiles(xs) -> dict:
@@ -124,10 +128,29 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
             args.append((encoder.encode(intent_parts(q.intent)), 1.0, -shift, (ids, values), c, size,
                          retriever.vote_weight))
         out["device_score"] = percentiles([seconds(lambda a=a: retriever.device.shortlist(*a)) for a in args])
+        out["device_steps_us"] = device_steps(retriever, queries[:STEP_QUERIES], size)
     log(f"  retrieval over {n_tools} tools: vectors {vectors_s:.1f} s, "
         f"shortlist p50 {out['shortlist']['p50_ms']:.3f} ms (encoding the intent {out['encode_intent']['p50_ms']:.3f} "
         f"ms, its parts {out['encode_parts']['p50_ms']:.3f} ms)")
     return out
+
+
+def device_steps(retriever, queries, size: int, repeat: int = 20, samples: int = 5) -> dict[str, float]:
+    """µs of each of a device retrieval's steps in stream order (the intent's encoder pass, k_moments, then the
+    scorer's launches), each repeated in one captured graph on the inputs that the query's own shortlist left on the
+    device (so it runs as it does there, less the gaps between steps), the median over the queries."""
+    from decoder_service.encoder.bench import graph_seconds
+    scorer, backend = retriever.device, retriever.encoder.backend
+    steps: dict[str, list[float]] = {}
+    for q in queries:
+        retriever.shortlist(q.intent, size)
+        M, B = backend.rows.value, scorer.parts
+        named = [("encoder pass", lambda: [f() for _, f in backend.launches(M, B)]),
+                 ("k_moments", lambda: scorer.moments.launch(scorer.moment_blocks))]
+        named += scorer.launches(bool(scorer.vote is not None and retriever.vote_weight), scorer.m.value)
+        for name, f in named:
+            steps.setdefault(name, []).append(graph_seconds(backend.stream, f, repeat, samples))
+    return {name: round(float(np.median(t)) * 1e6, 1) for name, t in steps.items()}
 
 
 def seconds(fn) -> float:

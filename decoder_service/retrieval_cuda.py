@@ -447,16 +447,22 @@ class DeviceScorer:
         self.m.value, self.top.value = m, top
         self.side.h2d(self.matched, self.host_matched, 2 * m)
         self.side.record(self.copied)
-        voting = self.vote is not None and vote_weight
-        self.fuse[self.parts - 1].launch(-(-self.n // FUSE_THREADS) + (self.request_blocks if voting else 0))
-        if voting:
-            self.nearest.launch()
-            self.vote.launch(1)
-        if m:
-            s.wait(self.copied)
-            self.add.launch(-(-m // 256))
-        self.best.launch()
+        for name, launch in self.launches(bool(self.vote is not None and vote_weight), m):
+            if name == "k_add":
+                s.wait(self.copied)     # BM25's matches, copied on the side stream
+            launch()
         self.best.fetch(top)
+
+    def launches(self, voting: bool, m: int) -> list[tuple[str, object]]:
+        """The shortlist's launches after k_moments as (name, enqueue) pairs in stream order, for an intent of
+        `self.parts` parts, with or without the requests' votes, and m BM25 matches (the bench times each)."""
+        fuse, grid = self.fuse[self.parts - 1], -(-self.n // FUSE_THREADS) + (self.request_blocks if voting else 0)
+        out = [("k_fuse", lambda: fuse.launch(grid))]
+        if voting:
+            out += self.nearest.launches("nearest requests") + [("k_vote", lambda: self.vote.launch(1))]
+        if m:
+            out.append(("k_add", lambda: self.add.launch(-(-m // 256))))
+        return out + self.best.launches("shortlist")
 
     def _result(self, top: int) -> tuple[np.ndarray, np.ndarray]:
         """Wait for the enqueued shortlist (in the same turn) and return its (ids, scores)."""
@@ -488,10 +494,10 @@ class Best:
                                                             top=top, out_scores=self.scores, out_ids=self.ids),
                             stream.handle)
 
-    def launch(self) -> None:
-        self.part.launch(self.lists)
-        if self.lists > 1:
-            self.merge.launch(1)
+    def launches(self, what: str) -> list[tuple[str, object]]:
+        """k_top, then k_merge where there is more than one slice, as (name, enqueue) pairs (`what`: whose best)."""
+        out = [(f"k_top ({what})", lambda: self.part.launch(self.lists))]
+        return out + ([(f"k_merge ({what})", lambda: self.merge.launch(1))] if self.lists > 1 else [])
 
     def fetch(self, top: int) -> None:
         """Enqueue the copy of the best `top` ids and scores into host_ids and host_scores (valid after a

@@ -74,7 +74,7 @@ def test_a_burst_from_several_client_threads_gives_every_query_its_answer_alone(
 def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report_names_both(small_tokenizer_dir):
     """The shortlist encodes an intent's parts (the intent and its clauses); the table times that call too, since a
     request with several parts costs more than its intent alone, their token ids, and on a GPU the device scorer
-    alone."""
+    alone and its steps (tests/test_retrieval_cuda.py times them under the simulator)."""
     import numpy as np
 
     from bench.serve import retrieval_table
@@ -110,6 +110,8 @@ def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report
             in report.markdown(res))
     res["retrieval"]["token_ids"] = {**res["retrieval"]["encode_intent"], "p50_ms": 0.035}
     assert "the device scorer alone p50 0.312 ms; the parts' token ids p50 0.035 ms." in report.markdown(res)
+    res["retrieval"]["device_steps_us"] = {"encoder pass": 290.5, "k_fuse": 60.0}
+    assert "| encoder pass | k_fuse | sum |\n| --- | --- | --- |\n| 290.5 | 60.0 | 350.5 |" in report.markdown(res)
 
 
 def test_quality_table_names_each_ceiling_by_its_shortlist_size():

@@ -94,16 +94,38 @@ def through_the_retriever(rng, sim: bool) -> list[str]:
     vectors = Vectors(unit(rng.standard_normal((n, dim))), unit(rng.standard_normal((m, dim))),
                       np.sort(rng.integers(0, n, m)).astype(np.int32))
     retriever = Retriever(index, n, vectors, encoder)
-    out = []
+    out, first = [], {}
     for intent in ("the weather in rome", "convert the pdf to text and then search a flight, then book a hotel"):
         got = retriever.shortlist(intent, 10, tokenize=str.split)    # the prompt's tokens, while the device scores
+        first = first or {"intent": intent, "before": got}
         if got.intent_ids != intent.split():
             out.append(f"retriever {intent!r}: intent_ids {got.intent_ids}")
         host = retriever.scores(intent)
         want = top_n(host, 10)
         if list(got.ids) != list(want) or not np.allclose(got.scores, host[want], rtol=1e-4, atol=1e-4):
             out.append(f"retriever {intent!r}: {list(got.ids)} vs {list(want)}")
-    return out if retriever.device is not None else ["the retriever did not take the device path"]
+    if retriever.device is None:
+        return ["the retriever did not take the device path"]
+    return out + timed_steps(retriever, **first)
+
+
+def timed_steps(retriever, intent: str, before) -> list[str]:
+    """The bench's step-by-step times of a device retrieval: every step named in stream order (the nearest requests'
+    k_merge only over more than one slice of them), each timed, and the launches replayed on the intent's inputs
+    leave its next shortlist as it was (`before`)."""
+    from bench.serve import device_steps
+    from bench.workload import Query
+    steps = device_steps(retriever, [Query(intent, 1)], 10, repeat=1, samples=1)
+    nearest = ["k_top (nearest requests)"] + (["k_merge (nearest requests)"] if retriever.device.nearest.lists > 1
+                                              else [])
+    want = (["encoder pass", "k_moments", "k_fuse"] + nearest +
+            ["k_vote", "k_add", "k_top (shortlist)", "k_merge (shortlist)"])
+    after = retriever.shortlist(intent, 10)
+    out = [] if list(steps) == want else [f"device steps {list(steps)}, want {want}"]
+    out += [] if all(v > 0 for v in steps.values()) else [f"device steps untimed: {steps}"]
+    if list(after.ids) != list(before.ids) or not np.array_equal(after.scores, before.scores):
+        out.append(f"the shortlist after the timed steps: {list(after.ids)} vs {list(before.ids)}")
+    return out
 
 
 if __name__ == "__main__":

@@ -68,24 +68,28 @@ def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, floa
         for one, what in ((True, "one part"), (False, "several parts")) if times[one]]
 
 
+def graph_seconds(stream, enqueue, repeat: int, samples: int) -> float:
+    """Seconds of one enqueue() as a captured graph of `repeat` of them runs it (the median of `samples` replays)."""
+    from decoder_service.model.cuda.launcher import Graph
+    g = Graph(stream, lambda: [enqueue() for _ in range(repeat)])
+    return median_s(lambda: (g.replay(), stream.synchronize()), samples) / repeat
+
+
 def launch_rows(backend, requests: list[list[np.ndarray]], repeat: int = 20,
                 samples: int = 10) -> list[tuple[str, float, str]]:
     """The CUDA forward pass of each request (its token id arrays), launch by launch: each launch `repeat` times in
     one captured graph (seconds a launch, as the served graph runs it, the median of `samples` replays), a kernel and
     shape's launches summed over the layers, beside the whole pass in one graph."""
-    from decoder_service.model.cuda.launcher import Graph
-    sync = backend.stream.synchronize
     rows = []
     for ids in requests:
         backend.embed(ids)                        # stages the request: its rows and inputs stay on the device
         M, B = backend.rows.value, len(ids)
         launches = backend.launches(M, B)
-        whole = Graph(backend.stream, lambda: [f() for _, f in launches])
         each: dict[str, list[float]] = {}
         for name, f in launches:
-            g = Graph(backend.stream, lambda f=f: [f() for _ in range(repeat)])
-            each.setdefault(name, []).append(median_s(lambda g=g: (g.replay(), sync()), samples) / repeat)
-        rows.append((f"{M} rows, {B} texts: the pass in one graph", median_s(lambda: (whole.replay(), sync()), samples),
+            each.setdefault(name, []).append(graph_seconds(backend.stream, f, repeat, samples))
+        whole = graph_seconds(backend.stream, lambda: [f() for _, f in launches], 1, samples)
+        rows.append((f"{M} rows, {B} texts: the pass in one graph", whole,
                      f"{len(launches)} launches, their sum {sum(map(sum, each.values())) * 1e6:,.1f} µs"))
         rows += [(f"  {name}", float(np.median(t)), f"{len(t)} a pass, {sum(t) * 1e6:,.1f} µs in all")
                  for name, t in each.items()]
