@@ -15,9 +15,8 @@ from tokenizers import Tokenizer
 
 from decoder_service.model.config import ModelError
 
-_PRINTABLE = re.compile(r"[ -~]*")               # printable ASCII: what WordPieces splits itself
 _WORDS = re.compile(r"[a-z0-9]+|[^a-z0-9 ]")     # BERT's split of lower-cased printable ASCII
-_CACHED_WORDS = 200_000                          # words whose pieces WordPieces keeps (then it starts again)
+_CACHED_RUNS = 200_000                           # runs between spaces whose pieces WordPieces keeps (then anew)
 
 
 def load_tokenizer(model_dir: str | Path, max_seq_length: int) -> Tokenizer:
@@ -39,10 +38,10 @@ def token_ids(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
 class WordPieces:
     """token_ids for a BERT WordPiece tokenizer, printable ASCII texts split here: lower case, runs of letters
     and digits, every other character alone (BERT's normaliser and pre-tokeniser do nothing else to such text),
-    then each word's pieces, longest first, cached. Other texts (and those that hold a special token's text,
-    which `tokenizers` matches whole), and every text of a tokenizer.json this does not describe, go to
-    `tokenizers` (token_ids). The same ids either way (tests/test_encoder.py over every text
-    of the data sets); a request's parts in a fraction of `tokenizers`' per-call cost (P114)."""
+    then each word's pieces, longest first, cached by the run between spaces they come from. Other texts (and
+    those that hold a special token's text, which `tokenizers` matches whole), and every text of a tokenizer.json
+    this does not describe, go to `tokenizers` (token_ids). The same ids either way (tests/test_encoder.py over
+    every text of the data sets); a request's parts in a fraction of `tokenizers`' per-call cost (P114, P125)."""
 
     def __init__(self, tok: Tokenizer, max_seq_length: int):
         self.tok, self.max_pieces = tok, max_seq_length - 2
@@ -58,29 +57,39 @@ class WordPieces:
             self.longest = model["max_input_chars_per_word"]
             self.cls, self.sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
             self.added = [a["content"].lower() for a in spec.get("added_tokens") or []]   # matched whole, first
-        self.words: dict[str, list[int]] = {}
+        self.runs: dict[str, list[int]] = {}
 
     def __call__(self, texts: list[str]) -> list[np.ndarray]:
-        if not self.splits or not all(_PRINTABLE.fullmatch(t) for t in texts):
+        if not self.splits or not all(t.isascii() and t.isprintable() for t in texts):   # " " to "~" only
             return token_ids(self.tok, texts)
         lowered = [t.lower() for t in texts]
-        if any(a in t for t in lowered for a in self.added):     # "[MASK]" in a text: one token
+        joined = "\n".join(lowered)    # a match across two texts only sends them to `tokenizers`, never wrong
+        if any(a in joined for a in self.added):     # "[MASK]" in a text: one token
             return token_ids(self.tok, texts)
         return [self._ids(t) for t in lowered]
 
     def _ids(self, text: str) -> np.ndarray:
-        """[CLS], the pieces of a lower-cased text's words (as many as fit), [SEP]."""
+        """[CLS], the pieces of a lower-cased text's words (as many as fit), [SEP]; a run between spaces at a time,
+        its pieces cached (a run's words never cross a space, so its pieces are its words' pieces in order)."""
         out = [self.cls]
-        for word in _WORDS.findall(text):
-            pieces = self.words.get(word)
+        for run in text.split():
+            pieces = self.runs.get(run)
             if pieces is None:
-                pieces = self._pieces(word)
+                pieces = self._run(run)
             out += pieces
             if len(out) > self.max_pieces:
                 break
         out = out[:self.max_pieces + 1]
         out.append(self.sep)
         return np.asarray(out, dtype=np.int32)
+
+    def _run(self, run: str) -> list[int]:
+        """The pieces of a run's words ("papers?": "papers", "?"), cached."""
+        pieces = [p for word in _WORDS.findall(run) for p in self._pieces(word)]
+        if len(self.runs) >= _CACHED_RUNS:
+            self.runs.clear()
+        self.runs[run] = pieces
+        return pieces
 
     def _pieces(self, word: str) -> list[int]:
         """WordPiece of one word: the longest vocabulary entry at each position ("##" after the first), the
@@ -95,8 +104,4 @@ class WordPieces:
                     break
             else:
                 break
-        pieces = pieces if start == len(word) else [self.unk]
-        if len(self.words) >= _CACHED_WORDS:
-            self.words.clear()
-        self.words[word] = pieces
-        return pieces
+        return pieces if start == len(word) else [self.unk]
