@@ -147,7 +147,7 @@ def device_steps(retriever, queries, size: int, repeat: int = 20, samples: int =
         M, B = backend.rows.value, scorer.parts
         named = [("encoder pass", lambda: [f() for _, f in backend.launches(M, B)]),
                  ("k_moments", lambda: scorer.moments.launch(scorer.moment_blocks))]
-        named += scorer.launches(bool(scorer.vote is not None and retriever.vote_weight), scorer.m.value)
+        named += scorer.launches()
         for name, f in named:
             steps.setdefault(name, []).append(graph_seconds(backend.stream, f, repeat, samples))
     return {name: round(float(np.median(t)) * 1e6, 1) for name, t in steps.items()}

@@ -447,15 +447,16 @@ class DeviceScorer:
         self.m.value, self.top.value = m, top
         self.side.h2d(self.matched, self.host_matched, 2 * m)
         self.side.record(self.copied)
-        for name, launch in self.launches(bool(self.vote is not None and vote_weight), m):
+        for name, launch in self.launches():
             if name == "k_add":
                 s.wait(self.copied)     # BM25's matches, copied on the side stream
             launch()
         self.best.fetch(top)
 
-    def launches(self, voting: bool, m: int) -> list[tuple[str, object]]:
-        """The shortlist's launches after k_moments as (name, enqueue) pairs in stream order, for an intent of
-        `self.parts` parts, with or without the requests' votes, and m BM25 matches (the bench times each)."""
+    def launches(self) -> list[tuple[str, object]]:
+        """The shortlist's launches after k_moments as (name, enqueue) pairs in stream order, for the request staged
+        last (its parts, its vote weight and its m BM25 matches; the bench times each)."""
+        voting, m = self.vote is not None and self.weight.value != 0.0, self.m.value
         fuse, grid = self.fuse[self.parts - 1], -(-self.n // FUSE_THREADS) + (self.request_blocks if voting else 0)
         out = [("k_fuse", lambda: fuse.launch(grid))]
         if voting:
