@@ -18,7 +18,7 @@ import weakref
 import numba
 import numpy as np
 
-from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld_l2, pdl_enter, xor_pair
+from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld8_once, ld_l2, pdl_enter, xor_pair
 from decoder_service.model.cuda.launcher import (SIM, Kernel, Launch, Scalar, Stream, destroy_event,  # numpy fix first
                                                  new_event)
 from decoder_service.encoder.turns import Turns
@@ -100,13 +100,14 @@ def fuse_kernel(parts: int):
         at, step = row * 8, count * 8
         j = 0
         while j + 32 <= dim:
-            x0, x1, x2, x3 = ld8(rows, at), ld8(rows, at + step), ld8(rows, at + 2 * step), ld8(rows, at + 3 * step)
+            x0, x1 = ld8_once(rows, at), ld8_once(rows, at + step)
+            x2, x3 = ld8_once(rows, at + 2 * step), ld8_once(rows, at + 3 * step)
             s = _run(x3, queries, j + 24, dim, parts, _run(x2, queries, j + 16, dim, parts, _run(
                 x1, queries, j + 8, dim, parts, _run(x0, queries, j, dim, parts, s))))
             at += 4 * step
             j += 32
         while j < dim:
-            s = _run(ld8(rows, at), queries, j, dim, parts, s)
+            s = _run(ld8_once(rows, at), queries, j, dim, parts, s)
             at += step
             j += 8
         best = max(max(max(s[0], s[1]), max(s[2], s[3])), max(max(s[4], s[5]), max(s[6], s[7])))

@@ -34,6 +34,8 @@ if SIM:  # ------------------------------------------------------------------ si
         dt = arr.dtype
         return tuple(_to_f32(arr[i + j], dt) for j in range(8))
 
+    ld8_once = ld8
+
     def ldf(arr, i):
         """One element as float32 (bf16 = uint16 bits)."""
         return _to_f32(arr[i], arr.dtype)
@@ -194,11 +196,11 @@ else:  # -----------------------------------------------------------------------
         i = context.cast(builder, idx, idxty, nbt.int64)
         return builder.gep(a.data, [i])
 
-    def _ldg_v4(builder, ptr):
-        """ld.global.nc.v4.u32: 16 bytes through the read-only data path (ptr must be 16-aligned)."""
+    def _ldg_v4(builder, ptr, load="ld.global.nc"):
+        """<load>.v4.u32: 16 bytes through the read-only data path (ptr must be 16-aligned)."""
         addr = builder.ptrtoint(ptr, _I64)
         fnty = ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I64])
-        asm = ir.InlineAsm(fnty, "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];",
+        asm = ir.InlineAsm(fnty, f"{load}.v4.u32 {{$0, $1, $2, $3}}, [$4];",
                            "=r,=r,=r,=r,l")
         res = builder.call(asm, [addr])
         return [builder.extract_value(res, j) for j in range(4)]
@@ -225,27 +227,34 @@ else:  # -----------------------------------------------------------------------
     def _f16_hi(b, w):
         return _h2f(b, b.trunc(b.lshr(w, ir.Constant(_I32, 16)), _I16))
 
-    @intrinsic
-    def ld8(typingctx, arr, i):
-        """8 elements from arr[i] (i a multiple of 8) as a float32 8-tuple, 128-bit nc loads."""
-        if not isinstance(arr, nbt.Array) or arr.dtype not in _STORAGE:
-            return None
-        sig = nbt.UniTuple(nbt.float32, 8)(arr, i)
+    def _ld8(load: str, doc: str):
+        @intrinsic
+        def impl(typingctx, arr, i):
+            if not isinstance(arr, nbt.Array) or arr.dtype not in _STORAGE:
+                return None
+            sig = nbt.UniTuple(nbt.float32, 8)(arr, i)
 
-        def codegen(context, builder, sig, args):
-            aty, ity = sig.args
-            ptr = _elem_ptr(context, builder, aty, args[0], args[1], ity)
-            if aty.dtype == nbt.float32:
-                words = _ldg_v4(builder, ptr) + _ldg_v4(builder, builder.gep(ptr, [ir.Constant(_I64, 4)]))
-                vals = [builder.bitcast(w, _F32) for w in words]
-            else:
-                lo, hi = (_bf16_lo, _bf16_hi) if aty.dtype == nbt.uint16 else (_f16_lo, _f16_hi)
-                vals = []
-                for w in _ldg_v4(builder, ptr):
-                    vals += [lo(builder, w), hi(builder, w)]
-            return context.make_tuple(builder, sig.return_type, vals)
+            def codegen(context, builder, sig, args):
+                aty, ity = sig.args
+                ptr = _elem_ptr(context, builder, aty, args[0], args[1], ity)
+                if aty.dtype == nbt.float32:
+                    words = (_ldg_v4(builder, ptr, load)
+                             + _ldg_v4(builder, builder.gep(ptr, [ir.Constant(_I64, 4)]), load))
+                    vals = [builder.bitcast(w, _F32) for w in words]
+                else:
+                    lo, hi = (_bf16_lo, _bf16_hi) if aty.dtype == nbt.uint16 else (_f16_lo, _f16_hi)
+                    vals = []
+                    for w in _ldg_v4(builder, ptr, load):
+                        vals += [lo(builder, w), hi(builder, w)]
+                return context.make_tuple(builder, sig.return_type, vals)
 
-        return sig, codegen
+            return sig, codegen
+        impl.__doc__ = doc
+        return impl
+
+    ld8 = _ld8("ld.global.nc", "8 elements from arr[i] (i a multiple of 8) as a float32 8-tuple, 128-bit nc loads.")
+    ld8_once = _ld8("ld.global.cs.nc", "ld8 of data read once (ld.global.cs: evict-first in L1 and L2), so that "
+                    "a stream of it leaves in L2 what other kernels will read again.")
 
     @intrinsic
     def ldf(typingctx, arr, i):
