@@ -24,6 +24,8 @@ COMMANDS = {
     "engine-phases": ("host", "any", "a concurrency-1 query's steps by engine phase"),
     "host-step": ("host", "any", "the engine's host time between two steps at R decoding rows"),
     "swap": ("host", "any", "the first request after a catalog switch against the steady state"),
+    "new-version": ("version", "any", "a new catalog version's first answer, end to end: redis-server, the compiler "
+                    "and the decoder as processes"),
     "ptx": ("ptx", "no GPU", "registers, spills and SASS of kernels for sm_90; PTX against another checkout"),
 }
 
