@@ -65,7 +65,7 @@ def first_answer(publish, decoder: DecoderClient, tools: list[dict], intent: str
 
 
 def new_version(args) -> None:
-    settings = Settings()
+    settings, started = Settings(), time.strftime("%Y-%m-%d %H:%M:%S")
     data = data_dir()
     for name in (args.first, args.catalog):
         if not (data / name / "catalog.json").is_file():
@@ -88,13 +88,12 @@ def new_version(args) -> None:
         grpc.channel_ready_future(client.channel).result(timeout=120)     # listening; SERVING once a catalog is
         runs = [first_answer(publish, client, first, args.intent, args.k, args.timeout)]
         log(f"{args.first}: {json.dumps(runs[0])}")
-        wait_serving(decoder_addr, 60, decoder)
         backend = client.info().backend
         for i in range(args.versions):
             runs.append(first_answer(publish, client, revision(tools, i), args.intent, args.k, args.timeout))
             log(f"{args.catalog}, revision {i}: {json.dumps(runs[-1])}")
     out = Path(args.out) / f"new_version_{device_label(backend)}.json"
-    out.write_text(json.dumps({"backend": backend, "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    out.write_text(json.dumps({"backend": backend, "started": started,
                                "args": {k: v for k, v in vars(args).items() if k != "command"}, "runs": runs},
                               indent=1) + "\n")
     log("| version | tools | Publish returned s | ready s | first answer s |\n| --- | --- | --- | --- | --- |")
