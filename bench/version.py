@@ -23,7 +23,7 @@ from bench.common import RESULTS, device_label, log
 from devstack.redis_server import LocalRedis, free_port
 from devstack.stack import start_service, stop, wait_serving
 from shared.config import Settings
-from shared.dataset import data_dir
+from shared.dataset import catalog_path, data_dir
 from shared.rpc import compiler_pb2 as cpb, compiler_pb2_grpc as cpb_grpc
 from tooltrie.client import DecoderClient, open_channel
 
@@ -66,13 +66,12 @@ def first_answer(publish, decoder: DecoderClient, tools: list[dict], intent: str
 
 def new_version(args) -> None:
     settings, started = Settings(), time.strftime("%Y-%m-%d %H:%M:%S")
-    data = data_dir()
     for name in (args.first, args.catalog):
-        if not (data / name / "catalog.json").is_file():
+        if not catalog_path(name).is_file():
+            data = data_dir()
             sets = sorted(d.name for d in data.iterdir() if (d / "catalog.json").is_file())
             raise SystemExit(f"no data set {name!r} under {data}: one of {', '.join(sets)}")
-    first = json.loads((data / args.first / "catalog.json").read_text())
-    tools = json.loads((data / args.catalog / "catalog.json").read_text())
+    first, tools = (json.loads(catalog_path(name).read_text()) for name in (args.first, args.catalog))
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         redis = stack.enter_context(LocalRedis(Path(tmp) / "redis"))
         compiler_addr, decoder_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"

@@ -27,15 +27,8 @@ def main():
     p.add_argument("--outage", type=float, default=5.0)
     args = p.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    from model_fixtures import make_tiny_model
-    from shared.tokenizer import ModelTokenizer
-    import shutil
-    tok_dir = make_tokenizer_dir(tmp / "tok")
-    model = make_tiny_model(tmp / "model", "llama", "float16", tied=True, seed=3,
-                            config_overrides={"vocab_size": ModelTokenizer(tok_dir).tokenizer.get_vocab_size(),
-                                              "max_position_embeddings": 4096})
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tok_dir / f, model / f)
+    from model_fixtures import make_serving_model
+    model = make_serving_model(tmp / "model", make_tokenizer_dir(tmp / "tok"))
     stack = Stack(tmp, model)
     stack.publish(TOOLS[:30])
     wait_health(stack.decoder_addr, stack.decoder)

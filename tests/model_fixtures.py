@@ -8,6 +8,7 @@ that is not hidden_size / num_heads, and tied or untied heads.
 from __future__ import annotations
 
 import json
+import shutil
 import struct
 from pathlib import Path
 
@@ -93,6 +94,17 @@ def make_tiny_model(tmp_path: Path, arch: str = "llama", dtype: str = "float32",
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return out
 
+
+def make_serving_model(tmp_path: Path, tokenizer_dir: Path) -> Path:
+    """A tiny random float16 llama that speaks the tokenizer in tokenizer_dir (its vocabulary, its files copied in),
+    with 4,096 positions: what the services load in end-to-end tests, so that they start in seconds."""
+    from shared.tokenizer import ModelTokenizer
+    vocab = ModelTokenizer(tokenizer_dir).tokenizer.get_vocab_size()
+    out = make_tiny_model(tmp_path, "llama", "float16", tied=True, seed=3,
+                          config_overrides={"vocab_size": vocab, "max_position_embeddings": 4096})
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tokenizer_dir) / f, out / f)
+    return out
 
 def backend_refusals(tmp_path: Path, option: str, values) -> list[str]:
     """The ModelError messages of a CudaBackend (a tiny bf16 llama) built with `option` set to each of

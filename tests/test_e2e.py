@@ -5,7 +5,6 @@ in seconds; the real model's behaviour is covered by the model and engine tests.
 """
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,10 +17,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from devstack.redis_server import LocalRedis, free_port
-from model_fixtures import make_tiny_model
+from model_fixtures import make_serving_model
 from shared.rpc import compiler_pb2 as cpb, compiler_pb2_grpc as cpb_grpc
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
-from shared.tokenizer import ModelTokenizer
 from tokenizer_fixtures import catalog_path
 
 TOOLS = json.loads(catalog_path("metatool").read_text())
@@ -29,12 +27,7 @@ TOOLS = json.loads(catalog_path("metatool").read_text())
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, small_tokenizer_dir):
-    vocab = ModelTokenizer(small_tokenizer_dir).tokenizer.get_vocab_size()
-    out = make_tiny_model(tmp_path_factory.mktemp("model"), "llama", "float16", tied=True, seed=3,
-                          config_overrides={"vocab_size": vocab, "max_position_embeddings": 4096})
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(small_tokenizer_dir / f, out / f)
-    return out
+    return make_serving_model(tmp_path_factory.mktemp("model"), small_tokenizer_dir)
 
 
 class Stack:

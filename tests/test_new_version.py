@@ -2,13 +2,11 @@
 a tiny random model that speaks the small test tokenizer): each new version is timed to its own first answer."""
 import argparse
 import json
-import shutil
 
 import pytest
 
 from bench.version import new_version, new_version_arguments
-from model_fixtures import make_tiny_model
-from shared.tokenizer import ModelTokenizer
+from model_fixtures import make_serving_model
 
 
 def args_for(tmp_path, *argv):
@@ -19,11 +17,7 @@ def args_for(tmp_path, *argv):
 
 @pytest.fixture
 def tiny_model_env(tmp_path, small_tokenizer_dir, monkeypatch):
-    vocab = ModelTokenizer(small_tokenizer_dir).tokenizer.get_vocab_size()
-    model = make_tiny_model(tmp_path / "model", "llama", "float16", tied=True, seed=3,
-                            config_overrides={"vocab_size": vocab, "max_position_embeddings": 4096})
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(small_tokenizer_dir / f, model / f)
+    model = make_serving_model(tmp_path / "model", small_tokenizer_dir)
     for name, value in {"TOOLTRIE_MODEL_DIR": str(model), "TOOLTRIE_BACKEND": "cpu",
                         "TOOLTRIE_KV_TOKENS": "65536"}.items():
         monkeypatch.setenv(name, value)
