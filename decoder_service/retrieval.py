@@ -29,6 +29,7 @@ MAX_PARTS = 8    # the intent and at most 7 of its clauses
 VOTE_WEIGHT = 1.0         # what the nearest requests' whole vote adds to a tool's fused score
 NEIGHBOURS = 10           # the requests nearest the intent that vote
 VOTE_TEMPERATURE = 0.05   # their shares: a softmax of their cosines at this temperature
+VECTOR_SLICE = 2048   # texts a version's vectors are encoded by, so that a load reports progress and can be abandoned
 VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its requests' mean; 3 and the requests'
                      # own vectors
 # where an intent splits into clauses; each alternative starts at a space or a comma, so the lookahead turns every
@@ -138,12 +139,19 @@ def written_request(description: str, template: str = "I need to {d}") -> str:
     return template.format(d=d)
 
 
-def tool_vectors(trie: Trie, encoder) -> Vectors:
+def tool_vectors(trie: Trie, encoder, progress=None) -> Vectors:
     """Each tool's unit vector, its text's plus the mean of its requests' (tool_requests), normalised; and the
-    requests' own vectors."""
+    requests' own vectors. progress(done, total) is called after each VECTOR_SLICE texts (a text's vector is the
+    same in any batch), and may raise to abandon the work."""
     n = len(trie.pointer_names)
     texts, owner = tool_requests(trie)
-    encoded = encoder.encode(tool_texts(trie) + texts).astype(np.float64)
+    texts = tool_texts(trie) + texts
+    parts = []
+    for at in range(0, len(texts), VECTOR_SLICE):
+        parts.append(encoder.encode(texts[at:at + VECTOR_SLICE]))
+        if progress is not None:
+            progress(min(at + VECTOR_SLICE, len(texts)), len(texts))
+    encoded = np.concatenate(parts).astype(np.float64)
     sums = np.zeros((n, encoded.shape[1]))
     np.add.at(sums, owner, encoded[n:])
     tools = encoded[:n] + sums / np.maximum(np.bincount(owner, minlength=n), 1)[:, None]
@@ -151,11 +159,12 @@ def tool_vectors(trie: Trie, encoder) -> Vectors:
     return Vectors(tools.astype(np.float32), encoded[n:].astype(np.float32), owner)
 
 
-def computed_vectors(trie: Trie, encoder) -> tuple[Vectors, bytes]:
+def computed_vectors(trie: Trie, encoder, progress=None) -> tuple[Vectors, bytes]:
     """(vectors, blob): the version's vectors computed now, returned through their stored form (float16) so
-    that a version answers the same whichever replica computed them, and the blob to store."""
+    that a version answers the same whichever replica computed them, and the blob to store (progress: see
+    tool_vectors)."""
     digest = vectors_digest(encoder)
-    blob = vectors_blob(tool_vectors(trie, encoder), trie.meta["content_hash"], digest)
+    blob = vectors_blob(tool_vectors(trie, encoder, progress), trie.meta["content_hash"], digest)
     return vectors_from_blob(blob, trie, digest, encoder.dim), blob
 
 
