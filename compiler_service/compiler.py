@@ -67,6 +67,7 @@ def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTempl
     trie.meta.update({
         "descriptions": [t.description for t in tools],
         "examples": [list(t.examples) for t in tools],
+        "input_schemas": [t.input_schema for t in tools],
         "bm25_terms": index.terms,
         "content_hash": catalog.content_hash_with(template, tok.hash),
         "tokenizer_hash": tok.hash,

@@ -112,7 +112,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 r, score = rank[event.pointer_id]
                 yield pb.DiscoverEvent(pointer=pb.Pointer(index=event.index, name=event.name,
                                                           token_ids=list(event.token_ids), logprob=event.logprob,
-                                                          retrieval_score=score, retrieval_rank=r))
+                                                          retrieval_score=score, retrieval_rank=r,
+                                                          **(rt.trie.definition(event.pointer_id)
+                                                             if request.include_definitions else {})))
         finally:
             if seq is None:
                 self.catalogs.release(rt)

@@ -33,6 +33,12 @@ class Tool:
     name: str
     description: str = ""
     examples: tuple[str, ...] = ()
+    input_schema: str = ""   # the tool's input schema as JSON text ("" when the registry gives none)
+
+    def hashed_fields(self) -> list:
+        """What a catalog's content hash covers of the tool: its schema only where it has one, so that a registry
+        without schemas keeps the hash (and the version) it had before schemas were kept."""
+        return [self.name, self.description, list(self.examples)] + ([self.input_schema] if self.input_schema else [])
 
 
 @dataclass(frozen=True)
@@ -48,7 +54,7 @@ class Catalog:
 
         Publishing content with a hash seen before returns that version instead of a new one.
         """
-        canon = json.dumps({"tools": [[t.name, t.description, list(t.examples)] for t in self.tools],
+        canon = json.dumps({"tools": [t.hashed_fields() for t in self.tools],
                             "prompt": template.to_json(), "tokenizer": tokenizer_hash},
                            ensure_ascii=False, separators=(",", ":"), sort_keys=True)
         return hashlib.sha256(canon.encode("utf-8")).hexdigest()
@@ -84,6 +90,26 @@ def _check_text(value, what: str, where: str, limit: int) -> str:
     if len(value) > limit:
         raise CatalogError(f"{where}: {what} has {len(value)} characters, over the limit of {limit}")
     return value
+
+
+def _check_schema(entry: dict, where: str, limit: int) -> str:
+    """The tool's input schema (MCP's inputSchema, OpenAI's parameters) as compact JSON text, "" when it has
+    none: a caller that found the tool can call it without its own copy of the registry, so it is kept whole,
+    but it must be a JSON object and bounded."""
+    key = "inputSchema" if "inputSchema" in entry else "parameters"
+    schema = entry.get(key)
+    if schema is None:
+        return ""
+    if not isinstance(schema, dict):
+        raise CatalogError(f"{where}: {key} must be a JSON object, got {type(schema).__name__}")
+    try:
+        text = json.dumps(schema, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CatalogError(f"{where}: {key} is not JSON: {clip(str(e))}") from None
+    if len(text) > limit:
+        raise CatalogError(f"{where}: {key} has {len(text)} characters of JSON, over the limit of {limit} "
+                           "(TOOLTRIE_MAX_SCHEMA_CHARS)")
+    return text
 
 
 def _check_name(name, where: str, limit: int) -> str:
@@ -137,7 +163,7 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
             how = "" if other == name else " after Unicode normalisation"
             raise CatalogError(f"{where}: name {shown(name)} duplicates tool #{seen[key]} ({shown(other)}){how}")
         seen[key] = i
-        tools.append(Tool(name, description, examples))
+        tools.append(Tool(name, description, examples, _check_schema(e, where, settings.max_schema_chars)))
     return Catalog(tuple(tools))
 
 

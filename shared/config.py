@@ -31,6 +31,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_MAX_TOOLS": ("100000", "most tools one catalog may hold"),
     "TOOLTRIE_MAX_NAME_CHARS": ("256", "longest tool name, in characters"),
     "TOOLTRIE_MAX_DESCRIPTION_CHARS": ("10000", "longest tool description (or example), in characters"),
+    "TOOLTRIE_MAX_SCHEMA_CHARS": ("20000", "longest tool input schema (MCP inputSchema, OpenAI parameters), in "
+                                  "characters of its JSON"),
     "TOOLTRIE_MAX_EXAMPLES": ("100000", "most examples one catalog's tools may carry in all (the decoder encodes "
                               "each once per version)"),
     "TOOLTRIE_KEEP_VERSIONS": ("10", "versions kept per catalog (the latest is never dropped)"),
@@ -95,6 +97,7 @@ class Settings:
     max_name_chars: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_NAME_CHARS")))
     max_description_chars: int = field(
         default_factory=lambda: int(_env("TOOLTRIE_MAX_DESCRIPTION_CHARS")))
+    max_schema_chars: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_SCHEMA_CHARS")))
     max_examples: int = field(default_factory=lambda: int(_env("TOOLTRIE_MAX_EXAMPLES")))
     keep_versions: int = field(default_factory=lambda: int(_env("TOOLTRIE_KEEP_VERSIONS")))
     backend: str = field(default_factory=lambda: _env("TOOLTRIE_BACKEND"))

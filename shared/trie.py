@@ -187,6 +187,16 @@ class Trie:
         if (not isinstance(examples, list) or len(examples) != n_ptr
                 or not all(isinstance(e, list) and all(isinstance(x, str) for x in e) for e in examples)):
             bad("metadata 'examples' does not hold one list of strings per tool")
+        schemas = self.meta.get("input_schemas", [""] * n_ptr)
+        if not isinstance(schemas, list) or len(schemas) != n_ptr or not all(isinstance(s, str) for s in schemas):
+            bad("metadata 'input_schemas' does not hold one string per tool")
+
+    def definition(self, pointer_id: int) -> dict[str, str]:
+        """A tool's description and input schema (JSON text, "" when it has none), as Discover returns them on
+        request so that a caller can call what it found; versions compiled before schemas were kept have none."""
+        schemas = self.meta.get("input_schemas")
+        return {"description": self.meta["descriptions"][pointer_id] or "",
+                "input_schema": schemas[pointer_id] if schemas else ""}
 
     def spelled(self) -> list[list[int]]:
         """Each pointer's tokens, by pointer id, from one walk over the trie (a checked trie)."""
