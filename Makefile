@@ -12,7 +12,7 @@ MODEL := $(MODEL_DIR)/model.safetensors
 ENCODER_DIR := models/all-MiniLM-L6-v2
 ENCODER := $(ENCODER_DIR)/model.safetensors
 
-.PHONY: setup redis proto model run test fuzz quality bench bench-compiler lint clean tune
+.PHONY: setup redis proto model run test fuzz quality bench bench-compiler lint format clean tune
 
 setup: $(STAMP) proto redis
 
@@ -94,8 +94,15 @@ bench: setup model $(BENCH_STAMP)
 bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 
+# Byte-compiles every package, then ruff as configured in pyproject.toml ([tool.ruff]).
 lint: setup
 	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests bench
+	$(VENV)/bin/ruff check .
+
+# Rewrites files in place: run it on a quiet tree (nobody else's edits in flight), then review the diff.
+format: setup
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
 
 clean:
 	rm -rf $(VENV) var shared/rpc/*_pb2*.py shared/rpc/*_pb2*.pyi

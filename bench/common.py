@@ -78,7 +78,10 @@ def random_weights(cfg: ModelConfig, seed: int) -> Weights:
     rng = np.random.default_rng(seed)
     L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     q, kv, d = cfg.q_size, cfg.kv_size, cfg.head_dim
-    norm = lambda *s: f32_to_bf16((1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32))  # noqa: E731
+
+    def norm(*s):
+        return f32_to_bf16((1.0 + 0.1 * rng.standard_normal(s)).astype(np.float32))
+
     embed = rand_bf16(rng, (V, H), 1.0)
     return Weights(
         dtype="bfloat16", source_dtype="bfloat16(random)", embed=embed, lm_head=embed,

@@ -120,7 +120,7 @@ def attention_variants(be, timer, per_seq: int, variants: list, cases: list = CA
         first = {}
         for name, launches, grid_of in variants:
             grid = grid_of(batch)
-            ms, _ = timer.graph_ms(lambda launches=launches: [lz.launch(*grid) for lz in launches], reps=9)
+            ms, _ = timer.graph_ms(lambda launches=launches, grid=grid: [lz.launch(*grid) for lz in launches], reps=9)
             table[name].append(ms * 1e3 / len(launches))
             launches[-1].launch(*grid)
             be.synchronize()

@@ -189,9 +189,11 @@ def host_step(args) -> None:
         plan = engine.scheduler.plan()
         batch = engine._batch(plan)
         ctx = int(batch.positions.max()) + 1
-        print(f"| {rows} | {median_us(engine.scheduler.plan):.0f} | {median_us(lambda: engine._batch(plan)):.0f} | "
-              f"{median_us(lambda: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} | "
-              f"{median_us(lambda: attention_plan(batch, ctx, 0, *smollm2_tiles)):.1f} |", flush=True)
+        print(f"| {rows} | {median_us(engine.scheduler.plan):.0f} | "
+              f"{median_us(lambda engine=engine, plan=plan: engine._batch(plan)):.0f} | "
+              f"{median_us(lambda batch=batch: batch.validate(BLOCK, NUM_BLOCKS, 49152)):.0f} | "
+              f"{median_us(lambda batch=batch, ctx=ctx: attention_plan(batch, ctx, 0, *smollm2_tiles)):.1f} |",
+              flush=True)
 
 
 def swap_arguments(p) -> None:

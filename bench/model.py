@@ -97,7 +97,10 @@ def time_model(name: str, long: bool = True) -> dict:
     t_flush, _ = tm.graph_ms(flush)
     isz = 2
     kv_row = cfg.kv_size * isz
-    gemv = lambda key: [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]  # noqa: E731
+
+    def gemv(key):
+        return [lambda lz=ly[key][0], g=ly[key][1]: lz.launch(g, 1) for ly in be.layers]
+
     kinds = {
         "qkv (norm+GEMV)": (gemv("qkv"), (cfg.q_size + 2 * cfg.kv_size) * H * isz + 4 * H, True),
         "rope + KV write": ([lambda ly=ly: be.launch_rope(ly, 1) for ly in be.layers] if be.row_plan(1).rope else [],
@@ -220,7 +223,7 @@ def long_context(be, cfg, tm, flush, t_flush, rng, n_prompt=1023):
                 lz = relaunch(lz, maxs=maxs)
             gz = be.attn_grids(n_prompt + 1)[0][2] if maxs is None else 1
             calls.append(lambda lz=lz, gz=gz: lz.launch(1, nh, gz))
-        msk, _ = tm.graph_ms(lambda: (flush(), [c() for c in calls]))
+        msk, _ = tm.graph_ms(lambda calls=calls: (flush(), [c() for c in calls]))
         out[f"attn_ctx1024_us ({label})"] = (msk - t_flush) * 1e3 / len(calls)
     ms, nodes = tm.graph_ms(lambda: (be.launch_forward(1, 1), be.launch_sparse(1)), reps=20)
     out["step_ctx1024_graph_sparse_us"] = ms * 1e3
@@ -274,7 +277,7 @@ def model(args) -> None:
         for name in args.models.split(","):
             try:
                 results[name] = time_model(name, long=not args.no_long)
-            except Exception as e:  # keep going: the other model's numbers still come back
+            except Exception as e:  # noqa: BLE001 - keep going: the other model's numbers still come back
                 import traceback
                 log(f"{name}: FAILED {e!r}\n{traceback.format_exc()}")
                 results[name] = {"error": repr(e)}

@@ -40,7 +40,10 @@ class PeerModel(torch.nn.Module):
     def __init__(self, cfg: ModelConfig, weights: Weights, rows: int, max_len: int, device="cuda"):
         super().__init__()
         self.cfg, self.rows, self.max_len = cfg, rows, max_len
-        w = lambda a: _bf16(a, weights.dtype, device)  # noqa: E731
+
+        def w(a):
+            return _bf16(a, weights.dtype, device)
+
         # Buffers, not plain attributes: torch.compile treats buffers as static inputs, so the CUDA
         # graphs read them in place (and may mutate the caches) instead of copying them in per replay.
         tensors = {"embed": weights.embed, "wqkv": weights.wqkv, "wo": weights.wo, "w_gate_up": weights.w_gate_up,
@@ -124,7 +127,9 @@ class PeerGrammar:
         self._compiled: dict[int, xgr.CompiledGrammar] = {}
 
     def ebnf(self, k: int) -> str:
-        quote = lambda s: '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'  # noqa: E731
+        def quote(s):
+            return '"' + s.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+
         body = (" " + quote(self.sep) + " ").join(["name"] * k)
         return f"root ::= {body}\nname ::= " + " | ".join(quote(n) for n in self.names) + "\n"
 
@@ -218,7 +223,7 @@ class Peer:
                 pos = [p + 1 for p in pos]
                 steps += 1
         answers = []
-        for i, (_, k) in enumerate(requests):
+        for i in range(len(requests)):
             text = self.tok.decode([t for t in out[i] if t != self.stop_id], skip_special_tokens=False)
             names = text.split(self.grammar.sep)
             answers.append({"names": names, "tokens": len(out[i]), "repeat": len(set(names)) != len(names)})

@@ -118,7 +118,10 @@ def compare(a: str, b: str) -> str:
     ba, bb = _body(a), _body(b)
     if ba == bb:
         return "identical"
-    regs = lambda lines: sorted(re.sub(r"%(rd|r|f|fd|p|rs|h)\d+", "R", ln) for ln in lines)  # noqa: E731
+
+    def regs(lines):
+        return sorted(re.sub(r"%(rd|r|f|fd|p|rs|h)\d+", "R", ln) for ln in lines)
+
     return "same instructions" if regs(ba) == regs(bb) else "different"
 
 

@@ -72,8 +72,8 @@ def markdown(res: dict) -> str:
                   ""]
         steps = r.get("device_steps_us")
         if steps:
-            lines += ["Its steps on the device, in stream order (µs a launch, each repeated in one captured graph on a "
-                      "query's own inputs, the median over the queries; the gaps between steps not included):", "",
+            lines += ["Its steps on the device, in stream order (µs a launch, each repeated in one captured graph "
+                      "on a query's own inputs, the median over the queries; the gaps between steps not included):", "",
                       "| " + " | ".join(steps) + " | sum |", "|" + " --- |" * (len(steps) + 1),
                       "| " + " | ".join(f"{v:.1f}" for v in steps.values()) + f" | {sum(steps.values()):.1f} |", ""]
     lines += ["## Per query (wall clock from submit to the last pointer)", "",

@@ -64,8 +64,13 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
     from numba import cuda
 
     from decoder_service.model.cuda import device_trie as cs
-    i32 = lambda a: cuda.to_device(np.ascontiguousarray(a, np.int32))  # noqa: E731
-    zeros = lambda: i32(np.zeros(rows))  # noqa: E731
+
+    def i32(a):
+        return cuda.to_device(np.ascontiguousarray(a, np.int32))
+
+    def zeros():
+        return i32(np.zeros(rows))
+
     row = {"base": zeros(), "const": i32(np.full(rows, const)), "node": zeros(), "n_emitted": zeros(),
            "k": i32(np.full(rows, 3)), "allow_start": zeros(), "allow_len": i32(np.full(rows, -1)),
            "prior": zeros(), "emitted": i32(np.full(rows * 4, -1))}

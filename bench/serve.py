@@ -145,7 +145,7 @@ def device_steps(retriever, queries, size: int, repeat: int = 20, samples: int =
     for q in queries:
         retriever.shortlist(q.intent, size)
         M, B = backend.rows.value, scorer.parts
-        named = [("encoder pass", lambda: [f() for _, f in backend.launches(M, B)]),
+        named = [("encoder pass", lambda M=M, B=B: [f() for _, f in backend.launches(M, B)]),
                  ("k_moments", lambda: scorer.moments.launch(scorer.moment_blocks))]
         named += scorer.launches()
         for name, f in named:
@@ -258,7 +258,8 @@ def run_peer(cfg, weights, tok, runs: dict, peer_rows: int, saved=lambda out: No
                 t0 = time.perf_counter()
                 first = {}
                 chunk = suffixes[b:b + rows]
-                answers = peer.run(chunk, on_pointer=lambda i: first.setdefault(i, time.perf_counter() - t0))
+                answers = peer.run(chunk, on_pointer=lambda i, first=first, t0=t0:
+                                   first.setdefault(i, time.perf_counter() - t0))
                 wall = time.perf_counter() - t0
                 results += answers
                 walls += [wall] * len(chunk)
@@ -425,7 +426,7 @@ def _serve(args) -> None:
             res["shapes"][shape] = entry
             report.write(res, Path(args.out), device)  # partial results survive a run cut short
         if peer_ok:
-            def saved(peers):
+            def saved(peers, entry=entry):
                 for name, peer in peers.items():
                     entry["workloads"][name]["peer"] = peer
                 report.write(res, Path(args.out), device)

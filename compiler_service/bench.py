@@ -83,7 +83,8 @@ def main() -> None:
             results.append(json.loads(out.strip().splitlines()[-1]))
             r = results[-1]
             print(f"{name:15s} tools={r['tools']:6d} nodes={r['nodes']:7d} compile={r['parse_and_compile_ms']:8.1f} ms "
-                  f"publish={r['publish_ms']:6.1f} ms peak={r['peak_rss_mb']:6.1f} MB const={r['fits_constant_memory']}")
+                  f"publish={r['publish_ms']:6.1f} ms peak={r['peak_rss_mb']:6.1f} MB "
+                  f"const={r['fits_constant_memory']}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -23,8 +23,8 @@ from decoder_service.model.cuda.launcher import (SIM, Kernel, Launch, Scalar, St
                                                  new_event)
 from decoder_service.encoder.turns import Turns
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
-from numba import cuda  # noqa: E402
-from numba.cuda import types as t  # noqa: E402
+from numba import cuda
+from numba.cuda import types as t
 
 FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a row (a tool's or a request's)
 MOMENT_LANES = 4 if SIM else 32     # k_moments: threads a row of the tools' second moment

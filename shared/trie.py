@@ -265,8 +265,11 @@ def build_trie(bodies: list[list[int]], names: list[str], sep_id: int, stop_id: 
             common += 1
         del path[common + 1:]
         for d in range(common, len(body)):  # new nodes for the part not shared with the previous pointer
-            parents.append(path[d]); tokens.append(body[d]); children.append(num_nodes)
-            los.append(pid); his.append(pid + 1)
+            parents.append(path[d])
+            tokens.append(body[d])
+            children.append(num_nodes)
+            los.append(pid)
+            his.append(pid + 1)
             incoming.append(len(parents) - 1)
             path.append(num_nodes)
             num_nodes += 1
@@ -274,8 +277,11 @@ def build_trie(bodies: list[list[int]], names: list[str], sep_id: int, stop_id: 
             his[incoming[path[d + 1]]] = pid + 1
         end = path[len(body)]
         for tok, child in ((sep_id, SEP), (stop_id, STOP)):
-            parents.append(end); tokens.append(tok); children.append(child)
-            los.append(pid); his.append(pid + 1)
+            parents.append(end)
+            tokens.append(tok)
+            children.append(child)
+            los.append(pid)
+            his.append(pid + 1)
         prev = body
     parents = np.asarray(parents, np.int64)
     tokens_a = np.asarray(tokens, np.int64)

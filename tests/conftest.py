@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests' own helper modules
 
-from devstack.redis_server import LocalRedis  # noqa: E402
-from shared.config import BASE_MODEL_DIR  # noqa: E402
-from tokenizer_fixtures import make_tokenizer_dir  # noqa: E402
+from devstack.redis_server import LocalRedis
+from shared.config import BASE_MODEL_DIR
+from tokenizer_fixtures import make_tokenizer_dir
 
 
 @pytest.fixture(scope="session")

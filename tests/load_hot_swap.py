@@ -15,8 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_e2e import TOOLS, Stack, wait_health  # noqa: E402
-from tokenizer_fixtures import make_tokenizer_dir  # noqa: E402
+from test_e2e import TOOLS, Stack, wait_health
+from tokenizer_fixtures import make_tokenizer_dir
 
 
 def main():

@@ -37,14 +37,15 @@ def test_publishing_rollback_and_blob_reads_need_the_token(compiler):
     stub, _ = compiler
     good, wrong = bearer("pub-token-1"), bearer("pub-token-2")
     for metadata in (None, wrong, [("authorization", "pub-token-1")]):   # none, wrong, not a bearer
-        code, details = code_of(lambda: stub.Publish(pb.PublishRequest(name="a", registry_json=REGISTRY),
-                                                     metadata=metadata))
+        request = pb.PublishRequest(name="a", registry_json=REGISTRY)
+        code, details = code_of(lambda request=request, metadata=metadata: stub.Publish(request, metadata=metadata))
         assert code == grpc.StatusCode.UNAUTHENTICATED and "pub-token" not in details
     assert list(stub.ListCatalogs(pb.ListCatalogsRequest()).latest) == []   # nothing was published
     assert stub.Publish(pb.PublishRequest(name="a", registry_json=REGISTRY), metadata=good).created
     stub.Publish(pb.PublishRequest(name="a", registry_json='[{"name": "maps"}]'), metadata=good)
     code, _ = code_of(lambda: stub.SetLatest(pb.SetLatestRequest(name="a", version=1)))
-    assert code == grpc.StatusCode.UNAUTHENTICATED and stub.GetCatalog(pb.GetCatalogRequest(name="a")).version.version == 2
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.GetCatalog(pb.GetCatalogRequest(name="a")).version.version == 2
     assert stub.SetLatest(pb.SetLatestRequest(name="a", version=1), metadata=good).version.latest
     code, _ = code_of(lambda: stub.GetCatalog(pb.GetCatalogRequest(name="a", include_blob=True)))
     assert code == grpc.StatusCode.UNAUTHENTICATED

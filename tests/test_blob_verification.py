@@ -162,7 +162,8 @@ def test_a_corrupt_catalog_is_refused_alone_and_accepted_names_the_key(stack, ca
             store.publish("moved", trie_of(stack.tok, TOOLS[i:i + 5]))
     store.r.set(store._key("moved", "blob", 4), store.blob("moved", 1))
     info = json.loads(store.r.get(store._key("moved", "info", 4)))
-    store.r.set(store._key("moved", "info", 4), json.dumps({**info, "blob_sha256": blob_digest(store.blob("moved", 1))}))
+    moved = {**info, "blob_sha256": blob_digest(store.blob("moved", 1))}
+    store.r.set(store._key("moved", "info", 4), json.dumps(moved))
     before = rejected("key")
     store.r.publish(store.channel, json.dumps({"name": "moved", "version": 4, "event": "publish"}))
     wait_until(lambda: rejected("key") > before, 20, "the refusal")

@@ -98,7 +98,10 @@ def main() -> None:
                 break   # the next step, which takes the swap, would step ahead again but for the new placement
         ahead_at_swap = engine._ahead is not None
         trie = getattr(engine.sampler, "trie", None)
-        counts = lambda: {"uploads": trie.uploads, "binds": trie.epoch} if trie else {}  # noqa: E731
+
+        def counts():
+            return {"uploads": trie.uploads, "binds": trie.epoch} if trie else {}
+
         start = counts()
         if managed:
             manager.wanted["demo"] = 2
@@ -120,7 +123,10 @@ def main() -> None:
     lazy, _, _, lazy_binds, _, _ = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=False)
     bound, at_switch, first_after, _, owner, ahead = serve(lambda be: DeviceSampler(be, HostSampler(be)), managed=True)
     differences = [f"{a} vs {b}" for a, b in zip(lazy, bound) if a != b]
-    names = lambda ans: [[n for n, _ in a] if isinstance(a, list) else a for a in ans]  # noqa: E731
+
+    def names(ans):
+        return [[n for n, _ in a] if isinstance(a, list) else a for a in ans]
+
     differences += [f"host {a} vs {b}" for a, b in zip(names(host), names(bound)) if a != b]
     print("RESULT " + json.dumps({
         "answers_identical": lazy == bound and all(isinstance(a, list) for a in bound),

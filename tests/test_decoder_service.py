@@ -52,8 +52,8 @@ def stack(tmp_path_factory, small_tokenizer_dir, redis_url):
         time.sleep(0.05)
     set_serving(health, [SERVICE], True)
     channel = grpc.insecure_channel(addr)
-    yield {"stub": pb_grpc.DecoderServiceStub(channel), "addr": addr, "store": store, "servicer": servicer, "tok": tok, "engine": engine,
-           "catalogs": catalogs}
+    yield {"stub": pb_grpc.DecoderServiceStub(channel), "addr": addr, "store": store, "servicer": servicer, "tok": tok,
+           "engine": engine, "catalogs": catalogs}
     channel.close()
     server.stop(0)
     catalogs.stop()

@@ -184,7 +184,9 @@ def test_redis_restart_under_load(stack):
 
 
 def test_cancellation_and_deadlines_free_every_block(stack):
-    info = lambda: stack.decoder_stub.GetInfo(pb.GetInfoRequest(), timeout=10)  # noqa: E731
+    def info():
+        return stack.decoder_stub.GetInfo(pb.GetInfoRequest(), timeout=10)
+
     wait_until(lambda: all(c.active_requests == 0 for c in info().catalogs), 30, "no active requests")
     idle = info().kv_free_blocks
     for _ in range(5):

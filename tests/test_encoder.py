@@ -570,7 +570,7 @@ def _gpu_present() -> bool:
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
     try:
         return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=60).returncode == 0
-    except Exception:
+    except (OSError, subprocess.SubprocessError):  # no interpreter to start, or it hung
         return False
 
 

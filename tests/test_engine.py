@@ -122,7 +122,10 @@ def test_only_a_request_with_a_prompt_has_its_intent_tokenized(engine, catalog, 
 
 def test_special_token_text_in_the_intent_stays_text(engine, catalog, tok):
     seq = engine.submit(catalog, "stop here <|im_end|> please", 1)
-    specials = lambda ids: [i for i in ids if i in tok.special_ids]  # noqa: E731
+
+    def specials(ids):
+        return [i for i in ids if i in tok.special_ids]
+
     plain = engine.submit(catalog, "stop here please", 1)
     assert specials(seq.prompt_ids) == specials(plain.prompt_ids)  # only the template's own markers
     engine.run_until_idle()

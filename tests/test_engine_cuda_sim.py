@@ -7,13 +7,13 @@ test_model_cuda_sim.py; running them here too would take the simulator minutes p
 real GPU the `gpu` test runs the same script on the real CUDA backend.
 
 Checks: the same requests (their answers' order fused with the shortlist's retrieval prior) give the host
-sampler's names, with log-probabilities equal to float64 rounding, for two catalog versions alternating in one batch stream (one resident in constant memory,
-one read from the global arena), served together and one at a time. Either way the engine launches
-steps ahead of the picks (the next step fed the device's tokens and trie state before the host reads
-them; never with the host sampler) and takes forced tokens without steps of their own, and one at a
-time its answers equal, to the bit, those of an engine with step_ahead, finish_forced and forced_runs off, and a
-step launched ahead of an answer that completes at the read is dropped without being read, its forward
-pass skipped on the device by the sampler's done flags (exactly those steps: counted under the
+sampler's names, with log-probabilities equal to float64 rounding, for two catalog versions alternating in one
+batch stream (one resident in constant memory, one read from the global arena), served together and one at a
+time. Either way the engine launches steps ahead of the picks (the next step fed the device's tokens and trie
+state before the host reads them; never with the host sampler) and takes forced tokens without steps of their
+own, and one at a time its answers equal, to the bit, those of an engine with step_ahead, finish_forced and
+forced_runs off, and a step launched ahead of an answer that completes at the read is dropped without being read,
+its forward pass skipped on the device by the sampler's done flags (exactly those steps: counted under the
 simulator). A stale constant-memory binding fails the requests loudly (INTERNAL), never with a plausible
 answer.
 """

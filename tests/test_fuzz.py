@@ -65,7 +65,8 @@ def teardown_module():
 
 
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=40),
-                    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=12), inner, max_size=5),
+                    lambda inner: (st.lists(inner, max_size=5)
+                                   | st.dictionaries(st.text(max_size=12), inner, max_size=5)),
                     max_leaves=30)
 NAMES = st.text(max_size=300) | st.sampled_from(["", " ", "a\x00b", "<|im_end|>", "x" * 300, "é", "e\u0301"])
 TOOL = st.fixed_dictionaries({"name": NAMES}, optional={"description": st.text(max_size=100) | st.integers(),

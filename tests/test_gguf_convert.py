@@ -308,7 +308,9 @@ def hidden_states(w, cfg, ids):
     causal = np.triu(np.full((T, T), -np.inf, dtype=np.float32), 1)
     x = w["model.embed_tokens.weight"][ids]
     for n in range(cfg["num_hidden_layers"]):
-        p = lambda name: w[f"model.layers.{n}.{name}.weight"]  # noqa: E731
+        def p(name, n=n):
+            return w[f"model.layers.{n}.{name}.weight"]
+
         h = rms_norm(x, p("input_layernorm"), eps)
         q = rope((h @ p("self_attn.q_proj").T).reshape(T, heads, dim), cfg["rope_theta"])
         k = rope((h @ p("self_attn.k_proj").T).reshape(T, kv_heads, dim), cfg["rope_theta"])

@@ -205,7 +205,10 @@ def test_step_batch_refuses_every_out_of_bounds_row():
     """Each fault the kernels could turn into a stray read or write, alone in an otherwise valid batch."""
     table = np.array([[3, 1], [0, 2]], np.int32)
     good = StepBatch.from_chunks([(1, [5, 6, 7], 0), (0, [9], 4)], table)
-    i32 = lambda *v: np.array(v, np.int32)  # noqa: E731
+
+    def i32(*v):
+        return np.array(v, np.int32)
+
     faults = [(dict(slots=i32(1, 1, 2, 0)), r"slots: must index block_tables' 2 rows"),
               (dict(positions=i32(0, -1, 2, 4)), "positions: must be >= 0"),
               (dict(logit_rows=i32(2, 4)), r"logit_rows: must be row indices in \[0, 4\)"),

@@ -90,7 +90,10 @@ def through_the_retriever(rng, sim: bool) -> list[str]:
     n, m, dim = (120, 60, encoder.dim) if sim else (20_000, 10_000, encoder.dim)
     words = "weather flight hotel money stock news pdf music recipe map".split()
     index = Bm25Index.build([[words[i % 10], words[i * 7 % 10]] for i in range(n)])
-    unit = lambda a: (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)  # noqa: E731
+
+    def unit(a):
+        return (a / np.linalg.norm(a, axis=1, keepdims=True)).astype(np.float16).astype(np.float32)
+
     vectors = Vectors(unit(rng.standard_normal((n, dim))), unit(rng.standard_normal((m, dim))),
                       np.sort(rng.integers(0, n, m)).astype(np.int32))
     retriever = Retriever(index, n, vectors, encoder)

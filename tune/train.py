@@ -23,7 +23,10 @@ def batch_tensors(examples: list[tuple[list[int], list[int]]], pad: int, device:
             rows.append(r)
             cols.append(len(p) + j - 1)
             targets.append(t)
-    t = lambda x: torch.tensor(x, device=device)  # noqa: E731
+
+    def t(x):
+        return torch.tensor(x, device=device)
+
     return t(ids), t(mask), (t(rows), t(cols)), t(targets)
 
 

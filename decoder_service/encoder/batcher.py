@@ -45,7 +45,7 @@ class Batcher:
             batch, self._waiting = self._waiting, []
         try:
             vectors, error = self._backend.embed([s for c in batch for s in c.seqs]), None
-        except BaseException as e:   # every caller of the batch gets it, not only this one
+        except BaseException as e:  # noqa: BLE001 - every caller of the batch gets it (raised there), not only this one
             vectors, error = None, e
         with self._cond:
             at = 0

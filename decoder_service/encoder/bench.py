@@ -88,7 +88,7 @@ def launch_rows(backend, requests: list[list[np.ndarray]], repeat: int = 20,
         each: dict[str, list[float]] = {}
         for name, f in launches:
             each.setdefault(name, []).append(graph_seconds(backend.stream, f, repeat, samples))
-        whole = graph_seconds(backend.stream, lambda: [f() for _, f in launches], 1, samples)
+        whole = graph_seconds(backend.stream, lambda launches=launches: [f() for _, f in launches], 1, samples)
         rows.append((f"{M} rows, {B} texts: the pass in one graph", whole,
                      f"{len(launches)} launches, their sum {sum(map(sum, each.values())) * 1e6:,.1f} µs"))
         rows += [(f"  {name}", float(np.median(t)), f"{len(t)} a pass, {sum(t) * 1e6:,.1f} µs in all")

@@ -8,6 +8,7 @@ vector is bit-identical alone or in any batch (docs/encoder.md, "The CUDA pass")
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import threading
 from collections import OrderedDict
@@ -20,13 +21,13 @@ from decoder_service.model.cuda.intrinsics import (SIM, WARP, block_max, block_s
                                                    prefetch_l2)
 from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
 
-from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32  # noqa: E402
+from numba import cuda
+from numba import float32 as nb_f32
 
-from .config import MAX_TOKENS, EncoderConfig  # noqa: E402
-from .packing import chunks  # noqa: E402
-from .turns import Turns  # noqa: E402
-from .weights import EncoderWeights  # noqa: E402
+from .config import MAX_TOKENS, EncoderConfig
+from .packing import chunks
+from .turns import Turns
+from .weights import EncoderWeights
 
 # Under the simulator (one Python thread per CUDA thread) every block is a few threads wide, so the
 # multi-thread and multi-warp paths still run on tiny models.
@@ -306,9 +307,16 @@ class CudaEncoder:
         self.stream = Stream()
         R = B = chunk_tokens
         dev = cuda.to_device
-        f16 = lambda a: dev(np.ascontiguousarray(a, np.float16).reshape(-1))  # noqa: E731
-        f32 = lambda a: dev(np.ascontiguousarray(a, np.float32).reshape(-1))  # noqa: E731
-        t = lambda a: a.transpose(0, 2, 1)   # noqa: E731  [L, N, K] -> [L, K, N]
+
+        def f16(a):
+            return dev(np.ascontiguousarray(a, np.float16).reshape(-1))
+
+        def f32(a):
+            return dev(np.ascontiguousarray(a, np.float32).reshape(-1))
+
+        def t(a):
+            return a.transpose(0, 2, 1)   # [L, N, K] -> [L, K, N]
+
         self.word, self.pos, self.type0 = f16(weights.word), f16(weights.position), f32(weights.token_type)
         self.emb_norm = f32(weights.emb_norm_w), f32(weights.emb_norm_b)
         mats = {"qkv": (t(weights.wqkv), weights.bqkv), "o": (t(weights.wo), weights.bo),
@@ -341,7 +349,7 @@ class CudaEncoder:
                              dict(x=self.x, meta=self.meta, M=M, H=H, out=self.emb), st)
         self.layers = []      # a layer's launches as (name, launch, grid for M rows)
         for layer in range(cfg.num_layers):
-            def gemm(name, a, out, K, N, mode, res):
+            def gemm(name, a, out, K, N, mode, res, layer=layer):
                 w, b = self.mats[name]
                 args = dict(a=a, W=w[layer * K * N:(layer + 1) * K * N], bias=b[layer * N:(layer + 1) * N], res=res,
                             out=out, M=M, K=K, N=N, mode=mode)
@@ -350,7 +358,7 @@ class CudaEncoder:
                 return name, Launch(k["encoder.k_gemm"], K // SEG * groups, 0, args, st, name), \
                     lambda m: (columns, -(-m // RS))
 
-            def norm(name, x, out):
+            def norm(name, x, out, layer=layer):
                 g, b = self.norms[name]
                 return f"{name} norm", Launch(k["encoder.k_layernorm"], ROW_THREADS, 0,
                                               dict(x=x, gamma=g[layer * H:(layer + 1) * H],
@@ -372,7 +380,7 @@ class CudaEncoder:
         and shape: "embed", "qkv", "attention", ...), for M set in `rows` and the inputs staged."""
         out = [("embed", lambda: self.l_embed.launch(M))]
         for ops in self.layers:
-            out += [(name, lambda launch=launch, g=grid(M): launch.launch(*g)) for name, launch, grid in ops]
+            out += [(name, functools.partial(launch.launch, *grid(M))) for name, launch, grid in ops]
         return out + [("pool", lambda: self.l_pool.launch(B))]
 
     def _enqueue(self, M: int, B: int) -> None:

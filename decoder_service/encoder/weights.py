@@ -62,7 +62,7 @@ def load_weights(model_dir: str | Path, cfg: EncoderConfig) -> EncoderWeights:
         raise ModelError(f"{path}: missing (run `make model`)")
     try:
         raw = load_safetensors(path.read_bytes())
-    except Exception as e:  # a truncated file, or a dtype numpy lacks (bfloat16)
+    except Exception as e:  # noqa: BLE001 - a truncated file, or a dtype numpy lacks (bfloat16): a ModelError
         raise ModelError(f"{path}: cannot be read as float32/float16 safetensors ({e})") from None
     tensors = {name.removeprefix("bert."): a for name, a in raw.items()}
     H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers

@@ -22,7 +22,7 @@ def cuda_unusable_reason() -> str | None:
 
         if not cuda.is_available():
             return "no usable CUDA GPU or driver was found (numba.cuda.is_available() is False)"
-    except Exception as e:  # a broken CUDA install is still "no GPU" for auto, and explained for cuda
+    except Exception as e:  # noqa: BLE001 - a broken CUDA install is still "no GPU" for auto, explained for cuda
         return f"numba.cuda failed to initialise: {e}"
     return None
 

@@ -45,7 +45,10 @@ class StepBatch:
             slots.extend([slot] * len(toks))
             positions.extend(range(start, start + len(toks)))
             logit_rows.append(len(tokens) - 1)
-        i32 = lambda a: np.ascontiguousarray(a, dtype=np.int32)  # noqa: E731
+
+        def i32(a):
+            return np.ascontiguousarray(a, dtype=np.int32)
+
         return cls(i32(tokens), i32(slots), i32(positions), i32(block_tables), i32(logit_rows), decode_rows)
 
     def validate(self, block_size: int, num_blocks: int, vocab_size: int) -> None:

@@ -19,8 +19,8 @@ import os
 # It must be set before OpenMP starts; an explicit setting in the environment wins.
 os.environ.setdefault("GOMP_SPINCOUNT", "10000")
 
-import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+import numpy as np
+from numba import njit, prange
 
 from .batch import StepBatch
 from .config import ModelConfig
@@ -46,10 +46,10 @@ def _dot4x4(a, a0, a1, a2, a3, b, b0, b1, b2, b3):
     for k in range(a.shape[1]):
         x0, x1, x2, x3 = a[a0, k], a[a1, k], a[a2, k], a[a3, k]
         y0, y1, y2, y3 = b[b0, k], b[b1, k], b[b2, k], b[b3, k]
-        s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3  # noqa: E702
-        s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3  # noqa: E702
-        s20 += x2 * y0; s21 += x2 * y1; s22 += x2 * y2; s23 += x2 * y3  # noqa: E702
-        s30 += x3 * y0; s31 += x3 * y1; s32 += x3 * y2; s33 += x3 * y3  # noqa: E702
+        s00 += x0 * y0; s01 += x0 * y1; s02 += x0 * y2; s03 += x0 * y3  # noqa: E702 - the 4x4 tile as a grid
+        s10 += x1 * y0; s11 += x1 * y1; s12 += x1 * y2; s13 += x1 * y3  # noqa: E702 - the 4x4 tile as a grid
+        s20 += x2 * y0; s21 += x2 * y1; s22 += x2 * y2; s23 += x2 * y3  # noqa: E702 - the 4x4 tile as a grid
+        s30 += x3 * y0; s31 += x3 * y1; s32 += x3 * y2; s33 += x3 * y3  # noqa: E702 - the 4x4 tile as a grid
     return (s00, s01, s02, s03, s10, s11, s12, s13, s20, s21, s22, s23, s30, s31, s32, s33)
 
 
@@ -228,7 +228,10 @@ class CpuBackend:
 
     def __init__(self, cfg: ModelConfig, weights: Weights, kv_spec: KVPoolSpec):
         self.cfg = cfg
-        f32 = lambda a: None if a is None else np.ascontiguousarray(to_float32(a, weights.dtype))  # noqa: E731
+
+        def f32(a):
+            return None if a is None else np.ascontiguousarray(to_float32(a, weights.dtype))
+
         self.w = {name: f32(a) for name, a in vars(weights).items()
                   if name not in ("dtype", "source_dtype", "lm_head")}
         self.w["lm_head"] = self.w["embed"] if weights.lm_head is weights.embed else f32(weights.lm_head)

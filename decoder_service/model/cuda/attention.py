@@ -8,8 +8,8 @@ import numpy as np
 
 from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
-from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64, uint32 as nb_u32  # noqa: E402
+from numba import cuda
+from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64, uint32 as nb_u32
 
 from .intrinsics import (
     MMA, SIM, TQ, WARP, block_max, block_sum, cdiv, divmod_u32, kv_base, lane_take, lanes_max, lanes_sum, ld8,
@@ -23,7 +23,7 @@ ATTN_REGISTERS = 64     # k_attn_rows' register cap: more resident blocks per SM
 _ATTN_JIT = {} if SIM else {"max_registers": ATTN_REGISTERS}   # the simulator takes no cap
 MQ = 16                       # k_attn_mma: queries per block (the mma's M)
 MMA_HDS = (64, 128)           # k_attn_mma's head_dim bounds, a kernel each (registers, shared sizes; P36, P74)
-MMA_SPLIT = 1024              # k_attn_mma: default split (positions) of a prompt row's context (P35, P96; long ones: P63)
+MMA_SPLIT = 1024              # k_attn_mma: default split (positions) of a prompt row's context (P35, P96; long: P63)
 VT_STRIDE = 12                # k_attn_mma: words per V^T row (8 position pairs, padded: conflict-free reads)
 ATT_WARPS = 4                 # k_attn_mma: warps per block, each every ATT_WARPS-th 16-position block
 MMA_ATTN_REGISTERS = {64: 168, 128: 255}   # k_attn_mma's register caps: at 64, three 128-thread blocks an SM,

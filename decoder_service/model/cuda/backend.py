@@ -6,8 +6,11 @@ device_trie), the device buffers and the launch plan are in model/cuda/README.md
 """
 from __future__ import annotations
 
+import ctypes
 import math
+import threading
 from bisect import bisect_right
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit
@@ -16,7 +19,7 @@ from ..batch import StepBatch
 from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
-from . import compat  # noqa: F401
+from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
                         attn_shared_floats)
 from .intrinsics import MMA, SIM, TQ, WARP
@@ -27,10 +30,7 @@ from .device_trie import DeviceTrie
 from .graph_gate import GATE_SIGNATURE, k_gate
 from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 
-from numba import cuda  # noqa: E402
-import ctypes  # noqa: E402
-import threading  # noqa: E402
-from typing import NamedTuple  # noqa: E402
+from numba import cuda  # after compat
 
 _SM_BLOCKS = 8  # resident blocks per SM the matrix-vector grid is sized for (grid-stride beyond)
 _NO_TILES = np.empty((0, 3), np.int32)
@@ -251,8 +251,13 @@ class CudaBackend:
         self.w_gu = dev(_pad_cols(gu, self.kp_h).reshape(-1))   # rows interleaved gate0, up0, gate1, ...
         del gu
         self.w_down = dev(_pad_cols(weights.w_down, self.kp_i).reshape(-1))
-        f32 = lambda a: np.ascontiguousarray(to_float32(a, weights.dtype), np.float32).reshape(-1)  # noqa: E731
-        f32p = lambda a: _pad_cols(to_float32(a, weights.dtype).astype(np.float32), self.kp_h).reshape(-1)  # noqa: E731
+
+        def f32(a):
+            return np.ascontiguousarray(to_float32(a, weights.dtype), np.float32).reshape(-1)
+
+        def f32p(a):
+            return _pad_cols(to_float32(a, weights.dtype).astype(np.float32), self.kp_h).reshape(-1)
+
         self.n_attn = dev(f32p(weights.attn_norm))     # padded with zeros like the rows they scale
         self.n_mlp = dev(f32p(weights.mlp_norm))
         self.n_final = dev(f32p(weights.final_norm))

@@ -12,12 +12,12 @@ import numpy as np
 
 from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
-from numba import cuda  # noqa: E402
+from numba import cuda
 
-from shared.trie import CONSTANT_MEMORY_BUDGET, PACKED_HEADER_WORDS, SEP, STOP, Trie, control_edge_legal  # noqa: E402
-from shared.trie import fits_constant_memory as _placement_rule  # noqa: E402
-from .intrinsics import SIM  # noqa: E402
-from .launcher import Kernel, Launch, check, event_wait_host, new_event  # noqa: E402
+from shared.trie import CONSTANT_MEMORY_BUDGET, PACKED_HEADER_WORDS, SEP, STOP, Trie, control_edge_legal
+from shared.trie import fits_constant_memory as _placement_rule
+from .intrinsics import SIM
+from .launcher import Kernel, Launch, check, event_wait_host, new_event
 
 THREADS = 8 if SIM else 128
 CONST_WORDS = CONSTANT_MEMORY_BUDGET // 4   # constant memory as int32 words: room for one packed trie

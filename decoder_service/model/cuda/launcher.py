@@ -11,12 +11,12 @@ import os
 
 import numpy as np
 
-from . import compat  # noqa: F401
+from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 from .graph_gate import SIM_CONDITIONS
 from .intrinsics import SIM, pdl_capable
 from .kernels import KERNELS, signatures
 
-from numba import cuda  # noqa: E402
+from numba import cuda
 
 if not SIM:
     from cuda.bindings import driver as drv
@@ -419,5 +419,5 @@ class Graph:
                 drv.cuGraphExecDestroy(self._exec)
             if self._graph is not None:
                 drv.cuGraphDestroy(self._graph)
-        except Exception:  # interpreter shutdown
+        except Exception:  # noqa: BLE001 - a destructor at interpreter shutdown: the driver may be gone
             pass

@@ -8,8 +8,8 @@ import numpy as np
 
 from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
-from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32, int64 as nb_i64, uint32 as nb_u32  # noqa: E402
+from numba import cuda
+from numba import float32 as nb_f32, int64 as nb_i64, uint32 as nb_u32
 
 from .intrinsics import (
     MMA, SIM, WARP, block_sum, kv_base, ld8, ld_words, mma_bf16, pdl_enter, prefetch_l1, prefetch_l2, quad_sum,

@@ -8,8 +8,8 @@ import numpy as np
 
 from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
-from numba import cuda  # noqa: E402
-from numba import float32 as nb_f32  # noqa: E402
+from numba import cuda
+from numba import float32 as nb_f32
 
 from .intrinsics import WARP, block_sum, kv_base, pdl_enter, rope_pair, stf
 from .matmul import stage_row

@@ -28,7 +28,7 @@ def install() -> bool:
         try:
             self._manager._tt_barrier.wait(_BARRIER_TIMEOUT_S)
         except threading.BrokenBarrierError:
-            raise RuntimeError("syncthreads: another thread of the block failed or never arrived")
+            raise RuntimeError("syncthreads: another thread of the block failed or never arrived") from None
 
     orig_thread_run = simk.BlockThread.run
 
