@@ -31,16 +31,17 @@ def model_dir(tmp_path_factory, small_tokenizer_dir):
 
 
 class Stack:
-    """redis-server, compiler and decoder as child processes on loopback ports."""
+    """redis-server (or, given redis_url, a namespace of that Redis), compiler and decoder as child processes
+    on loopback ports."""
 
-    def __init__(self, tmp_path, model_dir):
-        self.redis = LocalRedis(tmp_path / "redis", appendonly=True).start()
+    def __init__(self, tmp_path, model_dir, redis_url=None, namespace="e2e"):
+        self.redis = LocalRedis(tmp_path / "redis", appendonly=True).start() if redis_url is None else None
         self.compiler_addr, self.decoder_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.metrics_port = free_port()
-        self.env = {**os.environ, "REDIS_URL": self.redis.url, "TOOLTRIE_MODEL_DIR": str(model_dir),
+        self.env = {**os.environ, "REDIS_URL": redis_url or self.redis.url, "TOOLTRIE_MODEL_DIR": str(model_dir),
                     "TOOLTRIE_COMPILER_ADDR": self.compiler_addr, "TOOLTRIE_DECODER_ADDR": self.decoder_addr,
                     "TOOLTRIE_BACKEND": "cpu", "TOOLTRIE_KV_TOKENS": "65536", "TOOLTRIE_DRAIN_SECONDS": "20",
-                    "TOOLTRIE_METRICS_PORT": "0", "TOOLTRIE_NAMESPACE": "e2e"}
+                    "TOOLTRIE_METRICS_PORT": "0", "TOOLTRIE_NAMESPACE": namespace}
         self.logs = tmp_path
         self.compiler = self._start("compiler_service.server", {})
         self.decoder = self._start("decoder_service.server", {"TOOLTRIE_METRICS_PORT": str(self.metrics_port)})
@@ -69,7 +70,8 @@ class Stack:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        self.redis.stop()
+        if self.redis is not None:
+            self.redis.stop()
 
 
 def health_status(addr):

@@ -124,11 +124,25 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def _print_answer_json(tools, done) -> None:
+    """The answer as one JSON object: each tool with its definition (description, input schema), then the
+    timings; what a script calling the tools it found reads."""
+    from dataclasses import asdict
+
+    from google.protobuf.json_format import MessageToDict
+    print(json.dumps({"tools": [asdict(t) for t in tools],
+                      "done": MessageToDict(done, preserving_proto_field_name=True)}, indent=2, ensure_ascii=False))
+
+
 def cmd_discover(args) -> int:
     from tooltrie.client import DecoderClient
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
-        for tool in client.discover(args.catalog, args.intent, args.k, args.version, args.allow,
-                                    shortlist=args.shortlist, retrieve_only=args.retrieve_only):
+        answer = client.discover(args.catalog, args.intent, args.k, args.version, args.allow, shortlist=args.shortlist,
+                                 retrieve_only=args.retrieve_only, include_definitions=args.json)
+        if args.json:
+            _print_answer_json(list(answer), client.done)
+            return 0
+        for tool in answer:
             print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, "
                   f"retrieval rank {tool.retrieval_rank + 1}, "
                   f"{tool.catalog} v{tool.version})", flush=True)
@@ -193,6 +207,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--allow", nargs="*", help="only these tool names may be returned")
     c.add_argument("--shortlist", type=int, default=0, help="tools retrieved into the prompt (0: the server's default)")
     c.add_argument("--retrieve-only", action="store_true", help="the shortlist's first k, no generator")
+    c.add_argument("--json", action="store_true",
+                   help="print the answer as JSON, each tool with its description and input schema")
     c.set_defaults(run=cmd_discover)
 
     c = sub.add_parser("env", help="list every setting (environment variable), its value here and meaning")

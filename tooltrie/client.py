@@ -30,6 +30,8 @@ class Tool:
     version: int
     retrieval_score: float  # the first stage's fused score
     retrieval_rank: int     # its rank in the shortlist the prompt listed
+    description: str = ""   # with include_definitions: the tool's description
+    input_schema: dict | None = None  # with include_definitions: its input schema (None when it has none)
 
 
 class _Answer:
@@ -48,7 +50,7 @@ class _Answer:
         else:
             p = event.pointer
             return Tool(p.index, p.name, p.logprob, self.accepted.catalog, self.accepted.version, p.retrieval_score,
-                        p.retrieval_rank)
+                        p.retrieval_rank, p.description, json.loads(p.input_schema) if p.input_schema else None)
         return None
 
 
@@ -79,10 +81,12 @@ def bearer(token: str | None) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")] if token else []
 
 
-def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False) -> pb.DiscoverRequest:
+def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False,
+             include_definitions=False) -> pb.DiscoverRequest:
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
                               request_id=request_id or "", shortlist=shortlist,
-                              mode=pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE)
+                              mode=pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE,
+                              include_definitions=include_definitions)
 
 
 class _Client:
@@ -103,12 +107,15 @@ class DecoderClient(_Client):
     """The blocking client (use it in `with`, or close())."""
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
-                 request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
+                 request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
+                 include_definitions: bool = False):
         """Yield each Tool as soon as the decoder completes it, best first; afterwards .done holds the timings.
         shortlist: tools retrieved into the prompt (0: the server's default); retrieve_only: the shortlist's
-        first k, no generator."""
+        first k, no generator; include_definitions: each Tool also carries its description and input schema,
+        so that it can be called without a copy of the registry."""
         answer = _Answer()
-        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
+        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
+                           include_definitions)
         for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
@@ -133,10 +140,12 @@ class AsyncDecoderClient(_Client):
     aio = True
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
-                       request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False):
+                       request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
+                       include_definitions: bool = False):
         """DecoderClient.discover for asyncio."""
         answer = _Answer()
-        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only)
+        request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
+                           include_definitions)
         async for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
