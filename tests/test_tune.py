@@ -8,25 +8,27 @@ import random
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
+pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from decoder_service.model.batch import StepBatch  # noqa: E402
-from decoder_service.model.config import ModelConfig  # noqa: E402
-from decoder_service.model.kv_pool import KVPoolSpec  # noqa: E402
-from decoder_service.model.reference import ReferenceModel  # noqa: E402
-from decoder_service.model.weights import load_weights  # noqa: E402
-from model_fixtures import make_tiny_model  # noqa: E402
-from tokenizer_fixtures import catalog_path, make_tokenizer_dir  # noqa: E402
-from decoder_service.engine.fusion import tuned_tools  # noqa: E402
-from tune import lora, model as tmodel  # noqa: E402
-from tune.__main__ import main as tune_main  # noqa: E402
-from shared.dataset import Query, read_queries  # noqa: E402
-from tune.data import Encoder, Source, items, split, synthetic, training_items  # noqa: E402
-from tune.evaluate import decode  # noqa: E402
-from tune.merge import base_fingerprint, merge  # noqa: E402
-from tune.shortlist import Shortlister, with_gold  # noqa: E402
-from tune.train import train  # noqa: E402
+import torch
+
+from decoder_service.model.batch import StepBatch
+from decoder_service.model.config import ModelConfig
+from decoder_service.model.kv_pool import KVPoolSpec
+from decoder_service.model.reference import ReferenceModel
+from decoder_service.model.weights import load_weights
+from model_fixtures import make_tiny_model
+from tokenizer_fixtures import catalog_path, make_tokenizer_dir
+from decoder_service.engine.fusion import tuned_tools
+from tune import lora, model as tmodel
+from tune.__main__ import main as tune_main
+from shared.dataset import Query, read_queries
+from tune.data import Encoder, Source, items, split, synthetic, training_items
+from tune.evaluate import decode
+from tune.merge import base_fingerprint, merge
+from tune.shortlist import Shortlister, with_gold
+from tune.train import train
 
 VOCAB = 400
 
