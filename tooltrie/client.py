@@ -58,7 +58,10 @@ def channel_credentials(settings: Settings) -> grpc.ChannelCredentials | None:
     """TLS credentials for a client from the settings, or None (plaintext)."""
     if not settings.tls:
         return None
-    read = lambda path: Path(path).read_bytes() if path else None  # noqa: E731
+
+    def read(path):
+        return Path(path).read_bytes() if path else None
+
     return grpc.ssl_channel_credentials(read(settings.tls_ca), read(settings.tls_client_key),
                                         read(settings.tls_client_cert))
 
