@@ -152,6 +152,24 @@ def cmd_discover(args) -> int:
     return 0
 
 
+def cmd_mcp(args) -> int:
+    """An MCP server over the decoder (and, with --upstream, a gateway over other MCP servers) until stopped."""
+    import logging
+
+    import anyio
+
+    from tooltrie.gateway import UpstreamConfigError, read_upstreams
+    from tooltrie.mcp_server import parse_http_address, serve
+    try:
+        upstreams = read_upstreams(args.upstream) if args.upstream else None
+        http = parse_http_address(args.http) if args.http else None
+    except (UpstreamConfigError, ValueError) as e:
+        return _fail(str(e), EXIT_BAD_INPUT)
+    logging.basicConfig(level=logging.INFO, format="tooltrie mcp: %(message)s")   # stderr: stdout is MCP's
+    anyio.run(serve, args.catalog, args.decoder, args.compiler, args.token, upstreams, http, Settings())
+    return 0
+
+
 def cmd_env(args) -> int:
     """Every setting: its variable, its value here (secrets shown as set or not) and what it means."""
     import os
@@ -210,6 +228,14 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true",
                    help="print the answer as JSON, each tool with its description and input schema")
     c.set_defaults(run=cmd_discover)
+
+    c = sub.add_parser("mcp", help="serve MCP (stdio, or streamable HTTP): search_tools over a catalog; with "
+                       "--upstream, a gateway publishing other MCP servers' tools and running call_tool")
+    c.add_argument("--catalog", required=True, help="the catalog to search (in gateway mode: the one it publishes)")
+    c.add_argument("--http", metavar="HOST:PORT", help="serve streamable HTTP at http://HOST:PORT/mcp (default: stdio)")
+    c.add_argument("--upstream", metavar="FILE", help='gateway mode: the MCP servers of FILE ({"mcpServers": '
+                   '{NAME: {"command", "args", "env"} | {"url"}}}) published as the catalog, call_tool run on them')
+    c.set_defaults(run=cmd_mcp)
 
     c = sub.add_parser("env", help="list every setting (environment variable), its value here and meaning")
     c.set_defaults(run=cmd_env)
