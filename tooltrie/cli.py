@@ -166,6 +166,7 @@ def cmd_mcp(args) -> int:
     except (UpstreamConfigError, ValueError) as e:
         return _fail(str(e), EXIT_BAD_INPUT)
     logging.basicConfig(level=logging.INFO, format="tooltrie mcp: %(message)s")   # stderr: stdout is MCP's
+    logging.getLogger("httpx2").setLevel(logging.WARNING)   # a line per request to an HTTP upstream otherwise
     anyio.run(serve, args.catalog, args.decoder, args.compiler, args.token, upstreams, http, Settings())
     return 0
 

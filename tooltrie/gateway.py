@@ -165,12 +165,13 @@ class Gateway:
             if isinstance(message, types.ToolListChangedNotification):
                 upstream.list_changed.set()
 
+        reported = ""
         while True:
             try:
                 async with Client(upstream.target, message_handler=on_message, cache=None,
                                   read_timeout_seconds=self.call_timeout_seconds) as client:
                     await self._relist(upstream, client)
-                    upstream.client, upstream.error = client, ""
+                    upstream.client, upstream.error, reported = client, "", ""
                     log.info("upstream %s: connected, %d tools", upstream.name, len(upstream.tools))
                     await self._watch(upstream, client)
             except Exception as e:  # noqa: BLE001 - an upstream's failure is its own: reported, retried
@@ -178,8 +179,10 @@ class Gateway:
             finally:
                 upstream.client = None
                 upstream.tried.set()
-            log.warning("upstream %s is down (%s); reconnecting in %g s", upstream.name, upstream.error,
-                        self.retry_seconds)
+            if upstream.error != reported:   # once per outage and cause, not at every retry
+                log.warning("upstream %s is down (%s); reconnecting every %g s", upstream.name, upstream.error,
+                            self.retry_seconds)
+                reported = upstream.error
             await anyio.sleep(self.retry_seconds)
 
     async def _watch(self, upstream: Upstream, client: Client) -> None:
