@@ -16,7 +16,7 @@ import grpc
 import mcp_types as types
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from typing_extensions import NotRequired, TypedDict   # pydantic needs typing_extensions' on Python < 3.12
+from typing_extensions import TypedDict   # typing's TypedDict: not for pydantic on Python < 3.12
 
 from shared.config import Settings
 from shared.rpc import compiler_pb2 as cpb, compiler_pb2_grpc as cpb_grpc
@@ -35,7 +35,6 @@ class FoundTool(TypedDict):
     description: str
     input_schema: dict[str, Any] | None   # None when its registry gave none
     retrieval_score: float          # the first stage's fused score (higher is better)
-    confidence: NotRequired[float]  # only where the decoder gives one
 
 
 class SearchResult(TypedDict):
