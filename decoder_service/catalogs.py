@@ -23,6 +23,7 @@ from prometheus_client import Counter as MetricCounter, Gauge
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
 from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_digest, vectors_from_blob
+from shared.catalog import CatalogError, check_catalog_name, clip, shown
 from shared.store import BlobRejected, CatalogStore, NotFound
 from shared.trie import Trie, TrieCorrupt
 
@@ -34,6 +35,8 @@ BLOBS_REJECTED = MetricCounter("tooltrie_catalog_blobs_rejected_total", "Stored 
                                "verification (digest, signature, key or arrays), by reason", ["reason"])
 SUPERSEDED = MetricCounter("tooltrie_catalog_loads_superseded_total", "Loads of a version abandoned because a "
                            "newer one was announced")
+EVENTS_DROPPED = MetricCounter("tooltrie_catalog_events_dropped_total", "Messages on the events channel that name "
+                               "no catalog version (malformed or forged), dropped")
 VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool vectors, by where they came from",
                         ["source"])
 
@@ -47,8 +50,8 @@ class Superseded(Exception):
     """A newer version was announced while this one was loading: the load was abandoned."""
 
 
-class CatalogWarming(NotFound):
-    """The catalog is in the store and its first version is still loading (NOT_FOUND, saying so: its
+class CatalogLoading(Exception):
+    """The catalog is in the store and its first version is still loading (UNAVAILABLE, saying how far: its
     health service name `tooltrie.catalog.<name>` turns SERVING once it is served)."""
 
 
@@ -97,6 +100,7 @@ class CatalogManager:
         self.active: Counter = Counter()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
+        self._stage: dict[tuple[str, int], str] = {}   # how far a version's load is, for a caller who asks for it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -109,7 +113,11 @@ class CatalogManager:
                     if name in self.refused:
                         raise CatalogRefused(self.refused[name])
                     if name in self.wanted:
-                        raise CatalogWarming(f"catalog {name!r} v{self.wanted[name]} is still loading (not served yet)")
+                        key = (name, self.wanted[name])
+                        raise CatalogLoading(f"catalog {name!r} v{key[1]} is loading "
+                                             f"({self._stage.get(key, 'queued')}); retry shortly")
+                    if not self.started.is_set():
+                        raise CatalogLoading("the decoder is still reading the store's catalogs; retry shortly")
                     raise NotFound(f"no catalog named {name!r:.80} is loaded")
                 version = self.latest[name]
             rt = self.loaded.get((name, version))
@@ -139,10 +147,18 @@ class CatalogManager:
 
     def ready(self) -> bool:
         """Overall readiness (the decoder's health policy): the first pass over the store is done (every
-        catalog found was loaded or refused) and at least one catalog has a default version. A refused
-        or corrupt catalog does not hold the others back; per catalog, see catalog_health()."""
+        catalog found is loading on its own worker, or served, or refused) and at least one catalog has a
+        default version. A catalog that is slow to load, refused or corrupt holds no other back; per
+        catalog, see catalog_health()."""
         with self._lock:
             return self.started.is_set() and bool(self.latest)
+
+    def settled(self) -> bool:
+        """Whether every catalog found has its newest announced version served, or is refused (nothing is
+        loading)."""
+        with self._lock:
+            return self.started.is_set() and not self._workers and all(
+                self.latest.get(n) == v or n in self.refused for n, v in self.wanted.items())
 
     def catalog_health(self) -> dict[str, bool]:
         """Per catalog the decoder knows of: whether it has a ready default version (True) or not yet /
@@ -175,11 +191,14 @@ class CatalogManager:
             # the other caller's load failed or was superseded: try it ourselves
         try:
             self._lease_now(name, version)
+            self._set_stage(key, "fetching its blob")
             trie = self._fetch_verified(name, version)
             if superseded and superseded():
                 raise Superseded(f"{name} v{version}")
             try:
-                rt = self.engine.load_catalog(trie, self.retriever(name, version, trie))
+                retriever = self.retriever(name, version, trie, superseded)
+                self._set_stage(key, "warming its prompt prefix")
+                rt = self.engine.load_catalog(trie, retriever)
             except (TokenizerMismatch, RequestError) as e:  # another tokenizer; a prefix past the context
                 REFUSED.inc()
                 with self._lock:
@@ -199,6 +218,11 @@ class CatalogManager:
         finally:
             with self._lock:
                 self._loading.pop(key).set()
+                self._stage.pop(key, None)
+
+    def _set_stage(self, key: tuple[str, int], stage: str) -> None:
+        with self._lock:
+            self._stage[key] = stage
 
     def _fetch_verified(self, name: str, version: int) -> Trie:
         """The stored blob of one version, verified (BlobRejected -> CatalogRefused, logged and counted)."""
@@ -257,9 +281,10 @@ class CatalogManager:
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("leases not refreshed (%s)", e)
 
-    def retriever(self, name: str, version: int, trie: Trie) -> Retriever:
+    def retriever(self, name: str, version: int, trie: Trie, superseded=None) -> Retriever:
         """The version's retriever: its BM25 index from the blob, its tool vectors from the store, or
-        computed (once per version and encoder) and stored for the next start or replica."""
+        computed (once per version and encoder) and stored for the next start or replica; a computation that
+        superseded() ends is abandoned at its next slice (Superseded)."""
         index, n = bm25_index(trie), len(trie.pointer_names)
         if self.encoder is None:
             return Retriever(index, n)
@@ -273,8 +298,12 @@ class CatalogManager:
         except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
             log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
         if vectors is None:
+            def progress(done: int, total: int) -> None:
+                self._set_stage((name, version), f"{100 * done // total}% of its {total} texts' vectors")
+                if superseded and superseded():
+                    raise Superseded(f"{name} v{version}")
             started = time.perf_counter()
-            vectors, blob = computed_vectors(trie, self.encoder)
+            vectors, blob = computed_vectors(trie, self.encoder, progress)
             VECTORS.labels("computed").inc()
             log.info("%s v%d: %d tool vectors computed in %.2f s", name, version, n, time.perf_counter() - started)
             try:
@@ -324,7 +353,7 @@ class CatalogManager:
         except (NotFound, CatalogRefused, TimeoutError) as e:
             log.error("not serving %s v%d: %s", name, version, e)
             return
-        except Exception:  # noqa: BLE001 - one catalog's failure must not stop the others
+        except Exception:  # one catalog's failure must not stop the others
             log.exception("not serving %s v%d", name, version)
             with self._lock:
                 self.refused.setdefault(name, f"catalog {name!r} v{version} could not be loaded")
@@ -344,7 +373,8 @@ class CatalogManager:
 
     def reconcile(self) -> None:
         """Bring every catalog's default in line with the store's latest pointer (after a start or an
-        outage, so an announcement missed while disconnected is not lost)."""
+        outage, so an announcement missed while disconnected is not lost). Each catalog loads on its own
+        worker (announce): a slow one holds no other back."""
         names = self.names or self.store.catalog_names()
         for name in names:
             try:
@@ -356,9 +386,7 @@ class CatalogManager:
                 log.error("catalog %s: its latest pointer is damaged (%s)", name, e)
                 continue
             if self.latest.get(name) != version:
-                with self._lock:
-                    self.wanted[name] = version
-                self.make_default(name, version)
+                self.announce(name, version)
 
     # --- the subscriber ------------------------------------------------------------------------
     def start(self) -> None:
@@ -382,16 +410,32 @@ class CatalogManager:
                 while not self._stop.is_set():
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "message":
-                        event = json.loads(message["data"])
-                        if self.names is None or event["name"] in self.names:
-                            self.announce(event["name"], int(event["version"]))
+                        self._on_event(message["data"])
             except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
                 log.warning("redis unavailable (%s); serving loaded versions, retrying in %.1f s", e, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
-            except Exception:  # noqa: BLE001 - the follower must outlive any one bad event
+            except Exception:  # the follower must outlive any one bad event
                 log.exception("catalog follower failed; restarting")
                 self._stop.wait(1.0)
+
+    def _on_event(self, data) -> None:
+        """Announce the version an event names; an event that is not `{"name": a catalog name, "version": a
+        positive int}` (a forgery, or damage) is logged, clipped, and dropped."""
+        try:
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                raise ValueError("not an object")
+            name, version = check_catalog_name(event.get("name")), event.get("version")
+            if not isinstance(version, int) or isinstance(version, bool) or not 0 < version < 2**31:
+                raise ValueError(f"version {shown(version)} is not a positive integer")
+        except (ValueError, CatalogError) as e:   # json's errors are ValueErrors
+            EVENTS_DROPPED.inc()
+            log.warning("dropped an event that is not a catalog version (%s): %s", clip(str(e), 200),
+                        shown(data, 200))
+            return
+        if self.names is None or name in self.names:
+            self.announce(name, version)
 
     def describe(self) -> list[dict]:
         with self._lock:

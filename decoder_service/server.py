@@ -6,6 +6,7 @@ health service, and serves until SIGTERM, which drains in-flight requests first.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -15,8 +16,8 @@ import grpc
 from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge, Histogram
 
-from decoder_service.catalogs import CatalogManager, CatalogRefused
-from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError
+from decoder_service.catalogs import CatalogLoading, CatalogManager, CatalogRefused
+from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError, Stopped
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
@@ -45,9 +46,10 @@ REQUESTS = Counter("tooltrie_discover_total", "Discover requests by outcome code
 # Engine and catalog exceptions -> status codes (the shared ones come from shared.serving.status_for).
 REFUSALS = [(RequestError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.StatusCode.RESOURCE_EXHAUSTED),
             (Expired, grpc.StatusCode.DEADLINE_EXCEEDED),
-            (CatalogRefused, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE)]
+            (CatalogRefused, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE),
+            (Stopped, grpc.StatusCode.UNAVAILABLE), (CatalogLoading, grpc.StatusCode.UNAVAILABLE)]
 FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-                "cancelled": grpc.StatusCode.CANCELLED}
+                "cancelled": grpc.StatusCode.CANCELLED, "unavailable": grpc.StatusCode.UNAVAILABLE}
 
 
 def retrieved(rt, shortlist, k: int):
@@ -63,6 +65,24 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
     def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict):
         self.engine, self.catalogs, self.info = engine, catalogs, info
         self.draining = False
+        self._live_ids: set[str] = set()   # the request ids of the Discover calls in flight
+        self._ids_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def _claim(self, request_id: str, context):
+        """Hold a request id for the call's life: a caller's id is unique among the calls in flight (a
+        second call with it, such as a retry while the first still runs, is ALREADY_EXISTS)."""
+        with self._ids_lock:
+            taken = request_id in self._live_ids
+            self._live_ids.add(request_id)
+        if taken:
+            self._abort(context, grpc.StatusCode.ALREADY_EXISTS,
+                        f"request_id {request_id!r} is already in flight on this decoder")
+        try:
+            yield
+        finally:
+            with self._ids_lock:
+                self._live_ids.discard(request_id)
 
     def _abort(self, context, code: grpc.StatusCode, message: str):
         if code == grpc.StatusCode.INTERNAL:
@@ -72,9 +92,15 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         context.abort(code, message)
 
     def Discover(self, request, context):
-        started = time.monotonic()
         if self.draining:
             self._abort(context, grpc.StatusCode.UNAVAILABLE, "the decoder is shutting down")
+        request_id = request.request_id or uuid.uuid4().hex
+        with self._claim(request_id, context):
+            yield from self._discover(request, request_id, context)
+
+    def _discover(self, request, request_id: str, context):
+        """Discover's stream: pin a version, retrieve, decode (unless MODE_RETRIEVE), stream the pointers."""
+        started = time.monotonic()
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
@@ -86,15 +112,14 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 shortlist = self.engine.retrieve(rt, request.intent, request.k, list(request.allow) or None,
                                                  request.shortlist, prompt=decode)
                 if decode:
-                    seq = self.engine.submit(rt, request.intent, request.k, request_id=request.request_id or None,
+                    seq = self.engine.submit(rt, request.intent, request.k, request_id=request_id,
                                              timeout=context.time_remaining(), shortlist=shortlist,
                                              on_finish=lambda: self.catalogs.release(rt))
-            except (RequestError, QueueFull, Expired) as e:
+            except (RequestError, QueueFull, Expired, Stopped) as e:
                 self._abort(context, status_for(e, REFUSALS), str(e))
             if seq is not None and not context.add_callback(lambda: self.engine.cancel(seq)):
                 self.engine.cancel(seq)  # the RPC ended before the callback could be added
             name, version = rt.key
-            request_id = seq.request_id if seq is not None else request.request_id or uuid.uuid4().hex
             log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": request_id})
             yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=request_id))
             rank = {int(p): (r, float(shortlist.scores[r])) for r, p in enumerate(shortlist.ids)}
@@ -191,6 +216,8 @@ def check_discover(settings: Settings):
             raise ValueError(f"allowlist entry {shown(long)} has {len(long)} characters, over the limit of {max_name}")
         if request.version < 0:
             raise ValueError(f"version must be 0 (the latest) or a version number, got {request.version}")
+        if request.mode not in pb.Mode.values():
+            raise ValueError(f"mode must be one of {', '.join(pb.Mode.keys())}, got {request.mode}")
     return validate
 
 
@@ -220,17 +247,20 @@ def follow_health(catalogs: CatalogManager, health, stop: threading.Event, inter
     shown_status: dict[str, bool] = {}
     serving = None
     while not stop.is_set():
-        for name, ok in catalogs.catalog_health().items():
-            if shown_status.get(name) != ok:
-                health.set(HEALTH_PREFIX + name, health_pb2.HealthCheckResponse.SERVING if ok
-                           else health_pb2.HealthCheckResponse.NOT_SERVING)
-                shown_status[name] = ok
-        ready = catalogs.ready()
-        if ready != serving and not stop.is_set():
-            set_serving(health, [SERVICE], ready)
-            if ready:
-                log.info("serving: %s", ", ".join(f"{c['name']} v{c['version']}" for c in catalogs.describe()))
-            serving = ready
+        try:
+            for name, ok in catalogs.catalog_health().items():
+                if shown_status.get(name) != ok:
+                    health.set(HEALTH_PREFIX + name, health_pb2.HealthCheckResponse.SERVING if ok
+                               else health_pb2.HealthCheckResponse.NOT_SERVING)
+                    shown_status[name] = ok
+            ready = catalogs.ready()
+            if ready != serving and not stop.is_set():
+                set_serving(health, [SERVICE], ready)
+                if ready:
+                    log.info("serving: %s", ", ".join(f"{c['name']} v{c['version']}" for c in catalogs.describe()))
+                serving = ready
+        except Exception:  # health must keep following whatever one pass meets
+            log.exception("health follower: a pass failed; the next one retries")
         stop.wait(interval)
 
 
@@ -266,8 +296,8 @@ def serve(settings: Settings | None = None) -> None:
         stop_metrics.set()
         servicer.draining = True
         catalogs.stop()
-    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=before_stop)
-    engine.stop()
+    wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=before_stop,
+                         at_drain_end=engine.stop)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import functools
 import hmac
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -29,6 +30,8 @@ log = logging.getLogger("tooltrie")
 # After SIGTERM the server keeps taking calls this long before it stops taking any (the decoder refuses them:
 # UNAVAILABLE, which clients retry): a call already on the wire reaches a handler instead of being cancelled.
 REFUSE_SECONDS = 0.5
+DRAIN_MARGIN = 0.5    # seconds before the drain ends at which a service fails what is left itself (at_drain_end)
+EXIT_SLACK = 4.5      # seconds past the drain by which the process has exited, always (the watchdog)
 RPC_TOTAL = Counter("tooltrie_rpc_total", "RPCs handled, by service, method and status code",
                     ["service", "method", "code"])
 
@@ -61,7 +64,7 @@ def rpc(service: str):
                 response = method(self, request, context)
                 RPC_TOTAL.labels(service, method.__name__, "OK").inc()
                 return response
-            except Exception as exc:  # noqa: BLE001 - every failure must leave as a status
+            except Exception as exc:  # every failure must leave as a status
                 code = status_for(exc)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s.%s failed", service, method.__name__)
@@ -257,9 +260,11 @@ class Guard(grpc.ServerInterceptor):
 
 
 def wait_for_termination(server, health_servicer, service_names: list[str], grace: float,
-                         before_stop=None) -> None:
+                         before_stop=None, at_drain_end=None) -> None:
     """Block until SIGTERM/SIGINT, then report NOT_SERVING, refuse new calls for REFUSE_SECONDS, let in-flight
-    RPCs finish, and stop."""
+    RPCs finish for up to `grace` seconds, call at_drain_end (the decoder fails what is left with UNAVAILABLE,
+    a moment before gRPC would cancel it), and stop. The process ends within grace + EXIT_SLACK seconds of the
+    signal whatever its threads do: a watchdog exits it past that."""
     # The handler only sets a flag: one that takes a lock (Event.set) deadlocks when the signal lands while the
     # main thread holds that lock inside Event.wait, and the process never drains.
     stopped = []
@@ -267,13 +272,29 @@ def wait_for_termination(server, health_servicer, service_names: list[str], grac
         signal.signal(sig, lambda *_: stopped.append(True))
     while not stopped:
         time.sleep(0.1)
+    signalled = time.monotonic()
+    threading.Thread(target=_exit_after, args=(grace + EXIT_SLACK,), daemon=True,
+                     name="tooltrie-exit-watchdog").start()
     log.info("draining for up to %.0f s", grace)
     if before_stop:
         before_stop()
     set_serving(health_servicer, service_names, False)
-    time.sleep(REFUSE_SECONDS)
-    server.stop(grace).wait()
+    time.sleep(min(REFUSE_SECONDS, grace))
+    done = server.stop(max(grace - REFUSE_SECONDS, 0.0))
+    done.wait(max(signalled + grace - DRAIN_MARGIN - time.monotonic(), 0.0))
+    if at_drain_end:
+        at_drain_end()
+    done.wait(EXIT_SLACK / 2)
     log.info("stopped")
+
+
+def _exit_after(seconds: float) -> None:
+    """The last resort of a shutdown: end the process `seconds` after the signal, whatever still runs."""
+    time.sleep(seconds)
+    alive = [t.name for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    log.error("still running %.0f s after the signal (threads: %s): exiting now", seconds, ", ".join(alive)[:500])
+    logging.shutdown()
+    os._exit(1)
 
 
 class JsonLogFormatter(logging.Formatter):

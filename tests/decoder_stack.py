@@ -31,7 +31,7 @@ def trie_of(tok, tools):
 
 class DecoderStack:
     def __init__(self, tmp_path, tokenizer_dir, redis_url, settings=None, credentials=None, namespace=None,
-                 signing_key="", lease_seconds=60.0, warm_timeout=600.0):
+                 signing_key="", lease_seconds=60.0, warm_timeout=600.0, encoder=None):
         from shared.config import Settings
         self.settings = settings or Settings()
         self.tok = ModelTokenizer(tokenizer_dir)
@@ -41,7 +41,7 @@ class DecoderStack:
         self.ns = namespace or f"t-{uuid.uuid4().hex[:8]}"
         self.store = CatalogStore.from_url(redis_url, namespace=self.ns, signing_key=signing_key)
         self.catalogs = CatalogManager(self.store, self.engine, lease_seconds=lease_seconds,
-                                       warm_timeout=warm_timeout)
+                                       warm_timeout=warm_timeout, encoder=encoder)
         self.servicer = DecoderServicer(self.engine, self.catalogs, {"model": "tiny", "backend": "cpu",
                                                                      "device": "cpu"})
         self.addr = f"127.0.0.1:{free_port()}"

@@ -1,7 +1,9 @@
 """A tiny random model that speaks the small test tokenizer, and an engine around it (CPU backend)."""
 from __future__ import annotations
 
+import contextlib
 import json
+import threading
 
 from compiler_service.compiler import compile_catalog
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
@@ -54,3 +56,26 @@ def answer(seq):
             names.append(event.name)
             scores.append(event.logprob)
     return names, scores, done
+
+
+@contextlib.contextmanager
+def paused(engine: DecodeEngine):
+    """The engine's own thread holds before its next step until the block ends (entered once no step is under
+    way; another thread may step it meanwhile): requests queue, and their deadlines and cancellations are taken
+    when it resumes."""
+    gate, held, step = threading.Event(), threading.Event(), engine.step
+
+    def hold():
+        if threading.current_thread() is engine._thread:
+            held.set()
+            gate.wait()
+        return step()
+    engine.step = hold
+    try:
+        if engine._thread is not None and engine._thread.is_alive():
+            engine._post(("wake", None))
+            assert held.wait(10), "the engine's loop did not reach its next step"
+        yield
+    finally:
+        gate.set()
+        del engine.step

@@ -52,10 +52,10 @@ def test_a_newer_publish_supersedes_the_load_in_progress(tmp_path, small_tokeniz
         loaded = []
         build = s.catalogs.retriever
 
-        def slow(name, version, trie):
+        def slow(name, version, trie, superseded=None):
             loaded.append(version)
             time.sleep(1.0)
-            return build(name, version, trie)
+            return build(name, version, trie, superseded)
         s.catalogs.retriever = slow
         for i in range(6):
             info, _ = s.store.publish("swap", trie_of(s.tok, TOOLS[i + 1:i + 11]))

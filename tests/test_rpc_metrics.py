@@ -7,6 +7,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from decoder_stack import TOOLS, DecoderStack, discover, trie_of, wait_until
+from engine_fixtures import paused
 from shared.rpc import decoder_pb2 as pb
 
 
@@ -23,15 +24,12 @@ def test_discover_outcomes_by_code(tmp_path, small_tokenizer_dir, redis_url):
         ok, deadline, cancelled = count("OK"), count("DEADLINE_EXCEEDED"), count("CANCELLED")
         discover(s.stub(), catalog="demo", intent="weather", k=2)
         assert count("OK") == ok + 1
-        s.engine.stop()   # nothing runs: the next request is accepted, then waits past its deadline
-        try:
+        with paused(s.engine):   # nothing runs: the next request is accepted, then waits past its deadline
             call = s.stub().Discover(pb.DiscoverRequest(catalog="demo", intent="slow", k=2), timeout=1.0)
             assert next(call).HasField("accepted")
             with pytest.raises(grpc.RpcError) as err:
                 list(call)
             assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        finally:
-            s.engine.start()
         wait_until(lambda: count("DEADLINE_EXCEEDED") == deadline + 1, 10, "the expiry counted")
         time.sleep(0.3)
         assert count("DEADLINE_EXCEEDED") == deadline + 1 and count("CANCELLED") == cancelled

@@ -51,6 +51,10 @@ class Expired(Exception):
     """The request's deadline passed before it was queued (DEADLINE_EXCEEDED); it never runs."""
 
 
+class Stopped(Exception):
+    """The engine has stopped (the decoder is shutting down): nothing more is queued (UNAVAILABLE)."""
+
+
 class TokenizerMismatch(ValueError):
     """A trie compiled for another tokenizer: refused, never served."""
 
@@ -99,6 +103,7 @@ class DecodeEngine:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._running = False
+        self._stopped = False
         self.sampler = make_sampler(backend, config.head, config.finish_forced)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
@@ -196,6 +201,8 @@ class DecodeEngine:
         if -(-seq.max_positions() // self.block_size) > self.blocks.num_blocks:
             raise RequestError(f"the request needs more KV blocks than the pool holds ({self.blocks.num_blocks})")
         with self._wake:
+            if self._stopped:
+                raise Stopped("the decoder is shutting down")
             waiting = self.queue_depth()
             if waiting >= self.config.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting (the bound is {self.config.max_waiting})")
@@ -467,15 +474,26 @@ class DecodeEngine:
     # --- threading -----------------------------------------------------------------------------
     def start(self) -> None:
         """Run steps on a background thread (the one that owns the device) until stop()."""
-        self._running = True
+        self._running, self._stopped = True, False
         self._thread = threading.Thread(target=self._loop, name="tooltrie-engine", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        self._running = False
-        self._post(("wake", None))
+        """End the loop after its step, then fail every request it still holds (running, waiting or not yet
+        taken) with "unavailable", so that no caller waits for a step that will never come; later submits
+        raise Stopped."""
+        with self._wake:
+            self._running, self._stopped = False, True
+            self._wake.notify()
         if self._thread:
             self._thread.join()
+        with self._wake:
+            left = [item for kind, item in self._inbox if kind == "submit"]
+            self._inbox.clear()
+        self._ahead = None
+        for seq in [*self.scheduler.running, *self.scheduler.waiting, *left]:
+            if seq.state != State.FINISHED:
+                self._fail(seq, FailedEvent("unavailable", "the decoder is shutting down"))
 
     def _loop(self) -> None:
         while self._running:
@@ -484,7 +502,7 @@ class DecodeEngine:
                 worked = self.step()
                 if worked and self.on_step:
                     self.on_step(time.perf_counter() - started)
-            except Exception as e:  # noqa: BLE001 - a fault fails the running requests, not the engine
+            except Exception as e:  # a fault fails the running requests, not the engine
                 log.exception("engine step failed")
                 self._ahead = None
                 for seq in list(self.scheduler.running):

@@ -42,11 +42,11 @@ class DoneEvent:
 
 @dataclass(frozen=True)
 class FailedEvent:
-    kind: str            # "internal", "cancelled", "deadline"
+    kind: str            # "internal", "cancelled", "deadline", "unavailable" (the decoder is stopping)
     message: str
 
 
-@dataclass
+@dataclass(eq=False)   # compared by identity: two live requests may carry the same id (a client's retry)
 class Sequence:
     request_id: str
     catalog: CatalogRuntime
