@@ -14,8 +14,8 @@ from compiler_service.compiler import compile_catalog
 from shared.catalog import check_catalog_name, parse_registry
 from shared.config import Settings
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
-from shared.serving import (Credentials, Guard, Rule, follow_redis, make_server, rpc, server_credentials,
-                            setup_logging, start_metrics, wait_for_termination)
+from shared.serving import (AddressInUse, Busy, Credentials, Guard, Rule, follow_redis, make_server, rpc,
+                            server_credentials, setup_logging, start_metrics, wait_for_termination)
 from shared.store import CatalogStore, VersionInfo
 from shared.tokenizer import ModelTokenizer
 from shared.trie import read_blob_metadata
@@ -23,6 +23,8 @@ from shared.trie import read_blob_metadata
 log = logging.getLogger("tooltrie.compiler")
 SERVICE = pb.DESCRIPTOR.services_by_name["CompilerService"].full_name
 COMPILE_SECONDS = Histogram("tooltrie_compile_seconds", "Time to compile one registry into a trie")
+COMPILES_AT_ONCE = 1    # registries compiled at the same time (Compile and Publish): bounds the compiler's memory
+COMPILE_WAIT_S = 60.0   # the longest a call waits for its turn to compile
 
 
 def version_message(info: VersionInfo) -> pb.CatalogVersion:
@@ -36,14 +38,23 @@ def version_message(info: VersionInfo) -> pb.CatalogVersion:
 class CompilerServicer(pb_grpc.CompilerServiceServicer):
     def __init__(self, tokenizer: ModelTokenizer, store: CatalogStore, settings: Settings):
         self.tok, self.store, self.settings = tokenizer, store, settings
+        self._compiling = threading.BoundedSemaphore(COMPILES_AT_ONCE)
 
-    def _compile(self, registry_json: str):
-        with COMPILE_SECONDS.time():
-            return compile_catalog(parse_registry(registry_json, self.settings), self.tok)
+    def _compile(self, registry_json: str, context):
+        """The registry compiled, COMPILES_AT_ONCE at a time (a registry of 100,000 tools takes about 0.5 GB while it
+        compiles): a call that cannot start before its deadline (at most COMPILE_WAIT_S) is refused as Busy."""
+        wait = min(context.time_remaining() or COMPILE_WAIT_S, COMPILE_WAIT_S)
+        if not self._compiling.acquire(timeout=max(wait, 0.0)):
+            raise Busy(f"the compiler is busy with other registries; retry later (waited {wait:.0f} s)")
+        try:
+            with COMPILE_SECONDS.time():
+                return compile_catalog(parse_registry(registry_json, self.settings), self.tok)
+        finally:
+            self._compiling.release()
 
     @rpc(SERVICE)
     def Compile(self, request, context):
-        trie = self._compile(request.registry_json)
+        trie = self._compile(request.registry_json, context)
         stats = {**trie.stats(), "compile_ms": trie.meta["compile_ms"],
                  "prompt_prefix_chars": len(trie.meta["prompt"])}
         return pb.CompileResponse(stats=pb.TrieStats(**stats))
@@ -51,7 +62,7 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
     @rpc(SERVICE)
     def Publish(self, request, context):
         name = check_catalog_name(request.name)
-        info, created = self.store.publish(name, self._compile(request.registry_json))
+        info, created = self.store.publish(name, self._compile(request.registry_json, context))
         log.info("published %s v%d (created=%s)", name, info.version, created)
         return pb.PublishResponse(version=version_message(info), created=created)
 
@@ -89,12 +100,13 @@ def _version(request) -> None:
 
 
 def guard(settings: Settings) -> Guard:
-    """Publish, SetLatest and blob reads (GetCatalog with include_blob) need the publish credentials
-    (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set; names are checked
-    before anything touches Redis."""
+    """Compile, Publish, SetLatest and blob reads (GetCatalog with include_blob) need the publish credentials
+    (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set (a compile costs as much as a
+    publish); names are checked before anything touches Redis."""
     creds = Credentials([settings.publish_token], settings.publish_identities)
     method = f"/{SERVICE}/"
-    return Guard({method + "Publish": Rule(_name, creds),
+    return Guard({method + "Compile": Rule(None, creds),
+                  method + "Publish": Rule(_name, creds),
                   method + "SetLatest": Rule(_version, creds),
                   method + "GetCatalog": Rule(_name, creds, protected=lambda r: r.include_blob),
                   method + "ListVersions": Rule(_name)})
@@ -125,4 +137,7 @@ def serve(settings: Settings | None = None) -> None:
 
 if __name__ == "__main__":
     setup_logging()
-    serve()
+    try:
+        serve()
+    except AddressInUse as e:
+        raise SystemExit(f"compiler: {e}") from None

@@ -22,8 +22,9 @@ from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
-from shared.serving import (RPC_TOTAL, Credentials, Guard, Rule, make_server, server_credentials, set_serving,
-                            setup_logging, start_metrics, status_for, wait_for_termination)
+from shared.serving import (RPC_TOTAL, AddressInUse, Credentials, Guard, Rule, client_message, make_server,
+                            server_credentials, set_serving, setup_logging, start_metrics, status_for,
+                            wait_for_termination)
 from shared.store import CatalogStore
 
 log = logging.getLogger("tooltrie.decoder")
@@ -104,7 +105,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
-            self._abort(context, status_for(e, REFUSALS), str(e))
+            self._abort(context, status_for(e, REFUSALS), client_message(e))
         seq = None  # once submitted, the engine releases the catalog pin when it lets go of the request
         try:
             try:
@@ -116,7 +117,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                                              timeout=context.time_remaining(), shortlist=shortlist,
                                              on_finish=lambda: self.catalogs.release(rt))
             except (RequestError, QueueFull, Expired, Stopped) as e:
-                self._abort(context, status_for(e, REFUSALS), str(e))
+                self._abort(context, status_for(e, REFUSALS), client_message(e))
             if seq is not None and not context.add_callback(lambda: self.engine.cancel(seq)):
                 self.engine.cancel(seq)  # the RPC ended before the callback could be added
             name, version = rt.key
@@ -302,4 +303,7 @@ def serve(settings: Settings | None = None) -> None:
 
 if __name__ == "__main__":
     setup_logging()
-    serve()
+    try:
+        serve()
+    except AddressInUse as e:
+        raise SystemExit(f"decoder: {e}") from None

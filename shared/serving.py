@@ -35,8 +35,17 @@ EXIT_SLACK = 4.5      # seconds past the drain by which the process has exited, 
 RPC_TOTAL = Counter("tooltrie_rpc_total", "RPCs handled, by service, method and status code",
                     ["service", "method", "code"])
 
+class AddressInUse(RuntimeError):
+    """A server's address cannot be bound: another process listens there (ports are never shared)."""
+
+
+class Busy(Exception):
+    """The service is at its bound for this kind of work; the caller should back off (RESOURCE_EXHAUSTED)."""
+
+
 # Exception type -> gRPC status code; the exception's message becomes the status details.
 ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
+    (Busy, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (CatalogError, grpc.StatusCode.INVALID_ARGUMENT),
     (TokenizerError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
@@ -55,6 +64,15 @@ def status_for(exc: BaseException,
     return grpc.StatusCode.INTERNAL
 
 
+def client_message(exc: BaseException) -> str:
+    """What a caller is told of an error: its message, clipped; for Redis only that it is unavailable (its
+    address and the driver's words stay in the service's log)."""
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        log.warning("redis unavailable: %s", exc)
+        return "redis is unavailable; retry shortly"
+    return clip(str(exc), 1000)
+
+
 def rpc(service: str):
     """Decorator for a unary servicer method: counts it and turns known exceptions into statuses."""
     def wrap(method):
@@ -68,13 +86,8 @@ def rpc(service: str):
                 code = status_for(exc)
                 if code == grpc.StatusCode.INTERNAL:
                     log.exception("%s.%s failed", service, method.__name__)
-                if code == grpc.StatusCode.UNAVAILABLE:
-                    detail = f"redis unavailable: {exc}"
-                else:
-                    detail = str(exc)
-                detail = clip(detail, 1000)
                 RPC_TOTAL.labels(service, method.__name__, code.name).inc()
-                context.abort(code, detail)
+                context.abort(code, client_message(exc))
         return handler
     return wrap
 
@@ -99,15 +112,20 @@ def make_server(address: str, add_servicers, service_names: list[str], max_worke
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
                          interceptors=list(interceptors) or [Guard({})],
                          options=[("grpc.max_receive_message_length", 64 << 20),
-                                  ("grpc.max_send_message_length", 64 << 20), *options])
+                                  ("grpc.max_send_message_length", 64 << 20),
+                                  ("grpc.so_reuseport", 0), *options])   # a port in use is an error, never shared
     add_servicers(server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if reflection_on:
         reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    try:
+        port = server.add_secure_port(address, credentials) if credentials else server.add_insecure_port(address)
+    except RuntimeError:
+        port = 0
     if port == 0:
-        raise RuntimeError(f"cannot listen on {address}")
+        raise AddressInUse(f"cannot listen on {address}: the address is in use (another server on this machine?) "
+                           "or not this machine's")
     for name in ["", *service_names]:
         health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     return server, health_servicer
@@ -178,11 +196,13 @@ class Credentials:
     def check(self, context) -> str | None:
         """None when the caller is allowed, else why not."""
         presented = b""
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                value = value.decode("latin-1") if isinstance(value, bytes) else value
-                if value[:7].lower() == "bearer ":
-                    presented = value[7:].strip().encode("utf-8", "replace")
+        headers = [value for key, value in context.invocation_metadata() or () if key == "authorization"]
+        if len(headers) > 1:
+            return "more than one authorization header"
+        for value in headers:
+            value = value.decode("latin-1") if isinstance(value, bytes) else value
+            if value[:7].lower() == "bearer ":
+                presented = value[7:].strip().encode("utf-8", "replace")
         ok = False
         for token in self.tokens:   # every token compared, in constant time each
             ok |= hmac.compare_digest(presented, token)

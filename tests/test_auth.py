@@ -3,6 +3,8 @@
 set; reflection is off unless enabled. Real gRPC, real Redis."""
 import dataclasses
 import json
+import threading
+import time
 
 import grpc
 import pytest
@@ -50,9 +52,31 @@ def test_publishing_rollback_and_blob_reads_need_the_token(compiler):
     code, _ = code_of(lambda: stub.GetCatalog(pb.GetCatalogRequest(name="a", include_blob=True)))
     assert code == grpc.StatusCode.UNAUTHENTICATED
     assert stub.GetCatalog(pb.GetCatalogRequest(name="a", include_blob=True), metadata=good).blob
-    # reading names and versions, and compiling, stay open
+    # reading names and versions stays open; compiling costs what publishing does, so it needs the token too
     assert stub.GetCatalog(pb.GetCatalogRequest(name="a")).tool_names
-    assert stub.Compile(pb.CompileRequest(registry_json=REGISTRY)).stats.tools == 2
+    code, _ = code_of(lambda: stub.Compile(pb.CompileRequest(registry_json=REGISTRY)))
+    assert code == grpc.StatusCode.UNAUTHENTICATED
+    assert stub.Compile(pb.CompileRequest(registry_json=REGISTRY), metadata=good).stats.tools == 2
+    # two authorization headers: refused, whichever of them is good
+    for two in (good + wrong, wrong + good):
+        code, details = code_of(lambda two=two: stub.Compile(pb.CompileRequest(registry_json=REGISTRY), metadata=two))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "more than one authorization header" in details
+
+
+def test_a_compile_waits_its_turn_and_is_refused_past_its_deadline(compiler, monkeypatch):
+    """Registries compile one at a time (a huge one takes about 0.5 GB): a call that cannot start before its
+    deadline is RESOURCE_EXHAUSTED, and the one under way finishes."""
+    from compiler_service import server
+    stub, _ = compiler
+    gate, compile_catalog = threading.Event(), server.compile_catalog
+    monkeypatch.setattr(server, "compile_catalog", lambda *a: (gate.wait(10), compile_catalog(*a))[1])
+    request, token = pb.CompileRequest(registry_json=REGISTRY), bearer("pub-token-1")
+    first = stub.Compile.future(request, metadata=token)
+    time.sleep(0.3)
+    code, details = code_of(lambda: stub.Compile(request, timeout=0.5, metadata=token))
+    gate.set()
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the compiler is busy" in details
+    assert first.result(timeout=10).stats.tools == 2
 
 
 def test_the_cli_sends_the_publish_token_and_says_when_latest_moves(compiler, tmp_path, monkeypatch, capsys):

@@ -218,3 +218,26 @@ def test_forged_events_are_dropped_and_the_follower_and_health_survive(tmp_path,
         assert discover(s.stub(), catalog="after", intent="weather", k=1)[0].catalog == "after"
     finally:
         s.close()
+
+
+def test_a_port_in_use_is_refused_with_one_clear_line(tmp_path, redis_url):
+    """Before: gRPC's SO_REUSEPORT let a second server bind the same port silently, and a client could reach a
+    stack it did not start."""
+    from compiler_service.server import SERVICE
+    from shared.serving import AddressInUse, make_server
+    addr = f"127.0.0.1:{free_port()}"
+    first, _ = make_server(addr, lambda s: None, [SERVICE])
+    try:
+        with pytest.raises(AddressInUse, match=f"cannot listen on {addr}: the address is in use"):
+            make_server(addr, lambda s: None, [SERVICE])
+    finally:
+        first.stop(0)
+    addr = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "REDIS_URL": redis_url, "TOOLTRIE_COMPILER_ADDR": addr, "TOOLTRIE_METRICS_PORT": "0"}
+    first, _ = make_server(addr, lambda s: None, [SERVICE])
+    try:
+        done = subprocess.run([sys.executable, "-m", "compiler_service.server"], env=env, capture_output=True,
+                              text=True, timeout=60)
+    finally:
+        first.stop(0)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(f"compiler: cannot listen on {addr}")
