@@ -97,6 +97,7 @@ class CatalogManager:
         self.wanted: dict[str, int] = {}  # the newest announced default per catalog, in event order
         self.refused: dict[str, str] = {}  # catalog -> why its wanted version is not served
         self.refused_versions: dict[tuple[str, int], str] = {}  # versions whose blob failed verification
+        self.deleted: set[str] = set()   # catalogs deleted from the store: NOT_SERVING until published again
         self.active: Counter = Counter()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
@@ -164,7 +165,7 @@ class CatalogManager:
         """Per catalog the decoder knows of: whether it has a ready default version (True) or not yet /
         not at all (False: loading, or refused)."""
         with self._lock:
-            names = set(self.latest) | set(self.wanted) | set(self.refused)
+            names = set(self.latest) | set(self.wanted) | set(self.refused) | self.deleted
             return {n: n in self.latest for n in names}
 
     # --- loading -------------------------------------------------------------------------------
@@ -318,6 +319,7 @@ class CatalogManager:
         announcement supersedes is abandoned at its next stage instead of being finished and queued."""
         with self._lock:
             self.wanted[name] = version
+            self.deleted.discard(name)
             if name in self._workers:
                 return
             self._workers.add(name)
@@ -331,7 +333,7 @@ class CatalogManager:
                     version = self.wanted[name]
                 self.make_default(name, version)
                 with self._lock:
-                    if self.wanted[name] == version:
+                    if self.wanted.get(name, version) == version:   # absent: the catalog was deleted
                         self._workers.discard(name)
                         return
         except BaseException:
@@ -371,16 +373,32 @@ class CatalogManager:
             if old is not None:
                 self._retire_if_unused((name, old))
 
+    def forget(self, name: str) -> None:
+        """Drop a catalog deleted from the store: no longer a default (a Discover on it is NOT_FOUND), nor
+        loading; each of its versions is released when its last request ends."""
+        with self._lock:
+            for table in (self.latest, self.wanted, self.refused):
+                table.pop(name, None)
+            self.refused_versions = {k: v for k, v in self.refused_versions.items() if k[0] != name}
+            self.deleted.add(name)
+            for key in [k for k in self.loaded if k[0] == name]:
+                self._retire_if_unused(key)
+        log.info("catalog %s deleted: no longer served", name)
+
     def reconcile(self) -> None:
         """Bring every catalog's default in line with the store's latest pointer (after a start or an
-        outage, so an announcement missed while disconnected is not lost). Each catalog loads on its own
-        worker (announce): a slow one holds no other back."""
-        names = self.names or self.store.catalog_names()
-        for name in names:
+        outage, so an announcement missed while disconnected is not lost, a deletion included). Each catalog
+        loads on its own worker (announce): a slow one holds no other back."""
+        with self._lock:
+            known = set(self.latest) | set(self.wanted)
+        for name in sorted(set(self.names or self.store.catalog_names()) | known):
             try:
                 version = self.store.latest_version(name)
             except NotFound:
-                log.warning("catalog %s is not in the store", name)
+                if name in known:
+                    self.forget(name)
+                else:
+                    log.warning("catalog %s is not in the store", name)
                 continue
             except ValueError as e:  # a damaged latest pointer: this catalog only
                 log.error("catalog %s: its latest pointer is damaged (%s)", name, e)
@@ -420,21 +438,27 @@ class CatalogManager:
                 self._stop.wait(1.0)
 
     def _on_event(self, data) -> None:
-        """Announce the version an event names; an event that is not `{"name": a catalog name, "version": a
-        positive int}` (a forgery, or damage) is logged, clipped, and dropped."""
+        """Announce the version an event names, or forget a deleted catalog; an event that is not `{"name": a
+        catalog name, "version": a positive int}` or `{"name": a catalog name, "event": "delete"}` (a forgery,
+        or damage) is logged, clipped, and dropped."""
         try:
             event = json.loads(data)
             if not isinstance(event, dict):
                 raise ValueError("not an object")
             name, version = check_catalog_name(event.get("name")), event.get("version")
-            if not isinstance(version, int) or isinstance(version, bool) or not 0 < version < 2**31:
+            deleted = event.get("event") == "delete" and version is None
+            if not deleted and (not isinstance(version, int) or isinstance(version, bool) or not 0 < version < 2**31):
                 raise ValueError(f"version {shown(version)} is not a positive integer")
         except (ValueError, CatalogError) as e:   # json's errors are ValueErrors
             EVENTS_DROPPED.inc()
             log.warning("dropped an event that is not a catalog version (%s): %s", clip(str(e), 200),
                         shown(data, 200))
             return
-        if self.names is None or name in self.names:
+        if self.names is not None and name not in self.names:
+            return
+        if deleted:
+            self.forget(name)
+        else:
             self.announce(name, version)
 
     def describe(self) -> list[dict]:
