@@ -1,4 +1,4 @@
-"""The compiler service: Compile, Publish, ListCatalogs, ListVersions, GetCatalog, SetLatest over gRPC.
+"""The compiler service: Compile, Publish, ListCatalogs, ListVersions, GetCatalog, SetLatest, Delete over gRPC.
 
 `python -m compiler_service.server` listens on TOOLTRIE_COMPILER_ADDR, stores tries in REDIS_URL.
 """
@@ -88,6 +88,12 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
         log.info("latest of %s is now v%d", request.name, info.version)
         return pb.SetLatestResponse(version=version_message(info))
 
+    @rpc(SERVICE)
+    def Delete(self, request, context):
+        versions = self.store.delete(request.name)
+        log.info("deleted %s (%d versions)", request.name, versions)
+        return pb.DeleteResponse(versions=versions)
+
 
 def _name(request) -> None:
     check_catalog_name(request.name)
@@ -100,7 +106,7 @@ def _version(request) -> None:
 
 
 def guard(settings: Settings) -> Guard:
-    """Compile, Publish, SetLatest and blob reads (GetCatalog with include_blob) need the publish credentials
+    """Compile, Publish, SetLatest, Delete and blob reads (GetCatalog with include_blob) need the publish credentials
     (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set (a compile costs as much as a
     publish); names are checked before anything touches Redis."""
     creds = Credentials([settings.publish_token], settings.publish_identities)
@@ -108,6 +114,7 @@ def guard(settings: Settings) -> Guard:
     return Guard({method + "Compile": Rule(None, creds),
                   method + "Publish": Rule(_name, creds),
                   method + "SetLatest": Rule(_version, creds),
+                  method + "Delete": Rule(_name, creds),
                   method + "GetCatalog": Rule(_name, creds, protected=lambda r: r.include_blob),
                   method + "ListVersions": Rule(_name)})
 

@@ -1,7 +1,8 @@
 """The versioned catalog store in Redis.
 
 Per catalog name, versions 1, 2, 3, ... Publishing writes the blob, its info, the content-hash index
-and the `latest` pointer and announces `{name, version}` on the event channel in one MULTI/EXEC,
+and the `latest` pointer and announces `{name, version}` on the event channel in one MULTI/EXEC (deleting
+removes them all and announces `{name, "event": "delete"}` the same way),
 guarded by WATCH on the version counter: no reader sees `latest` name a missing blob, and two
 concurrent publishers never get the same version. All keys live under the namespace.
 """
@@ -160,6 +161,32 @@ class CatalogStore:
                 except redis.WatchError:
                     continue
         return self.info(name, version)
+
+    def delete(self, name: str) -> int:
+        """Remove the catalog: its versions (blobs, infos, content-hash index, stored vectors), its latest
+        pointer and leases, and its place in the catalog list, and announce `{name, "event": "delete"}`, in one
+        transaction (a publish racing it retries). Its version counter stays: a later publish of the name starts
+        a fresh catalog whose versions number on, so a decoder, a lease or a vectors key never takes one number
+        for two contents. Returns how many versions were removed."""
+        counter, latest_key = self._key(name, "counter"), self._key(name, "latest")
+        with self.r.pipeline() as p:
+            while True:
+                try:
+                    p.watch(counter, latest_key, self._key(name, "versions"))
+                    versions = p.zcard(self._key(name, "versions"))
+                    if not p.exists(latest_key):
+                        p.unwatch()
+                        raise NotFound(f"no catalog named {name!r}")
+                    keys = [k for k in self.r.scan_iter(match=self._key(name, "*"), count=1000)
+                            if k.decode() != counter]
+                    p.multi()
+                    p.delete(*keys)
+                    p.srem(f"{self.ns}:catalogs", name)
+                    p.publish(self.channel, json.dumps({"name": name, "event": "delete"}))
+                    p.execute()
+                    return versions
+                except redis.WatchError:
+                    continue
 
     # --- leases: versions a decoder has loaded or a request pins are never trimmed ----------------
     def lease(self, name: str, versions, holder: str, ttl: float) -> None:

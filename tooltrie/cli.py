@@ -124,6 +124,13 @@ def cmd_rollback(args) -> int:
     return 0
 
 
+def cmd_delete(args) -> int:
+    pb, stub = _compiler(args)
+    reply = stub.Delete(pb.DeleteRequest(name=args.name), timeout=args.timeout)
+    print(f"deleted: {args.name} ({reply.versions} version{'s' * (reply.versions != 1)})")
+    return 0
+
+
 def _print_answer_json(tools, done) -> None:
     """The answer as one JSON object: each tool with its definition (description, input schema), then the
     timings; what a script calling the tools it found reads."""
@@ -176,10 +183,10 @@ def cmd_env(args) -> int:
     import os
 
     from shared.config import ENV_VARS
-    secret = ("TOKEN", "SIGNING_KEY")
+    secret = ("_TOKEN", "_SIGNING_KEY")   # the bearer tokens and the HMAC key; TOOLTRIE_KV_TOKENS is a size
     for name, (default, meaning) in ENV_VARS.items():
         value = os.environ.get(name, default)
-        if any(s in name for s in secret) and value:
+        if name.endswith(secret) and value:
             value = "(set)"
         elif "REDIS_URL" in name and "@" in value:   # a password in the URL
             value = value.split("://", 1)[0] + "://(credentials)@" + value.rsplit("@", 1)[1]
@@ -194,7 +201,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder", default=settings.decoder_addr, help="decoder service host:port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
     p.add_argument("--token", default=settings.publish_token,
-                   help="bearer token for publish, rollback and blob reads (default: TOOLTRIE_PUBLISH_TOKEN)")
+                   help="bearer token for publish, rollback, delete and blob reads (default: TOOLTRIE_PUBLISH_TOKEN)")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile a registry locally and print its stats (no servers)")
@@ -245,6 +252,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.add_argument("version", type=int)
     c.set_defaults(run=cmd_rollback)
+
+    c = sub.add_parser("delete", help="delete a catalog, every stored version (decoders stop serving it)")
+    c.add_argument("name")
+    c.set_defaults(run=cmd_delete)
     return p
 
 
