@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge, Histogram
 
 from decoder_service.catalogs import CatalogLoading, CatalogManager, CatalogRefused
+from decoder_service.engine.fusion import RETRIEVAL_ORDER
 from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError, Stopped
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import check_catalog_name, shown
@@ -100,7 +101,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             yield from self._discover(request, request_id, context)
 
     def _discover(self, request, request_id: str, context):
-        """Discover's stream: pin a version, retrieve, decode (unless MODE_RETRIEVE), stream the pointers."""
+        """Discover's stream: pin a version, retrieve, decode where the request's mode says so, stream the pointers.
+        MODE_AUTO decodes only where the generator can change the answer: below the version's RETRIEVAL_ORDER
+        weight and with more than k tools to choose from; elsewhere it answers at retrieval's cost."""
         started = time.monotonic()
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
@@ -109,9 +112,11 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         seq = None  # once submitted, the engine releases the catalog pin when it lets go of the request
         try:
             try:
-                decode = request.mode != pb.MODE_RETRIEVE
+                auto = request.mode == pb.MODE_AUTO
+                decode = request.mode == pb.MODE_DECODE or auto and rt.fusion_weight < RETRIEVAL_ORDER
                 shortlist = self.engine.retrieve(rt, request.intent, request.k, list(request.allow) or None,
                                                  request.shortlist, prompt=decode)
+                decode = decode and not (auto and request.k >= len(shortlist.ids))   # it would choose them all
                 if decode:
                     seq = self.engine.submit(rt, request.intent, request.k, request_id=request_id,
                                              timeout=context.time_remaining(), shortlist=shortlist,
@@ -131,7 +136,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 if isinstance(event, DoneEvent):
                     REQUESTS.labels("OK").inc()
                     RPC_TOTAL.labels(SERVICE, "Discover", "OK").inc()
-                    yield pb.DiscoverEvent(done=pb.Done(**event.__dict__, retrieval_ms=shortlist.seconds * 1e3))
+                    yield pb.DiscoverEvent(done=pb.Done(**event.__dict__, retrieval_ms=shortlist.seconds * 1e3,
+                                                        stage="generator" if decode else "retrieval"))
                     return
                 if event.index == 0:
                     FIRST_POINTER.observe(time.monotonic() - started)

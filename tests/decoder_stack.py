@@ -31,12 +31,13 @@ def trie_of(tok, tools):
 
 class DecoderStack:
     def __init__(self, tmp_path, tokenizer_dir, redis_url, settings=None, credentials=None, namespace=None,
-                 signing_key="", lease_seconds=60.0, warm_timeout=600.0, encoder=None):
+                 signing_key="", lease_seconds=60.0, warm_timeout=600.0, encoder=None, tuned_tools=frozenset(),
+                 **engine_config):
         from shared.config import Settings
         self.settings = settings or Settings()
         self.tok = ModelTokenizer(tokenizer_dir)
         backend = tiny_backend(tmp_path, self.tok.tokenizer.get_vocab_size(), NUM_BLOCKS)
-        self.engine = make_engine(backend, self.tok, NUM_BLOCKS, max_waiting=128)
+        self.engine = make_engine(backend, self.tok, NUM_BLOCKS, tuned_tools, **{"max_waiting": 128, **engine_config})
         self.engine.start()
         self.ns = namespace or f"t-{uuid.uuid4().hex[:8]}"
         self.store = CatalogStore.from_url(redis_url, namespace=self.ns, signing_key=signing_key)

@@ -240,4 +240,5 @@ def test_a_port_in_use_is_refused_with_one_clear_line(tmp_path, redis_url):
                               text=True, timeout=60)
     finally:
         first.stop(0)
-    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith(f"compiler: cannot listen on {addr}")
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 1 and last.startswith(f"compiler: cannot listen on {addr}"), done.stderr[-2000:]

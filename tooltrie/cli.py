@@ -145,7 +145,7 @@ def cmd_discover(args) -> int:
     from tooltrie.client import DecoderClient
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
         answer = client.discover(args.catalog, args.intent, args.k, args.version, args.allow, shortlist=args.shortlist,
-                                 retrieve_only=args.retrieve_only, include_definitions=args.json)
+                                 retrieve_only=args.retrieve_only, include_definitions=args.json, decode=args.decode)
         if args.json:
             _print_answer_json(list(answer), client.done)
             return 0
@@ -154,8 +154,13 @@ def cmd_discover(args) -> int:
                   f"retrieval rank {tool.retrieval_rank + 1}, "
                   f"{tool.catalog} v{tool.version})", flush=True)
         d = client.done
-        print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; retrieval {d.retrieval_ms:.0f} ms, "
-              f"queue {d.queue_ms:.0f} ms, prefill {d.prefill_ms:.0f} ms, decode {d.decode_ms:.0f} ms")
+        if d.stage == "retrieval":
+            print(f"   chosen by retrieval in {d.retrieval_ms:.0f} ms (the generator cannot change this answer here; "
+                  "--decode runs it anyway)")
+        else:
+            print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; retrieval "
+                  f"{d.retrieval_ms:.0f} ms, queue {d.queue_ms:.0f} ms, prefill {d.prefill_ms:.0f} ms, "
+                  f"decode {d.decode_ms:.0f} ms")
     return 0
 
 
@@ -233,6 +238,7 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--allow", nargs="*", help="only these tool names may be returned")
     c.add_argument("--shortlist", type=int, default=0, help="tools retrieved into the prompt (0: the server's default)")
     c.add_argument("--retrieve-only", action="store_true", help="the shortlist's first k, no generator")
+    c.add_argument("--decode", action="store_true", help="run the generator even where it cannot change the answer")
     c.add_argument("--json", action="store_true",
                    help="print the answer as JSON, each tool with its description and input schema")
     c.set_defaults(run=cmd_discover)

@@ -85,10 +85,10 @@ def bearer(token: str | None) -> list[tuple[str, str]]:
 
 
 def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False,
-             include_definitions=False) -> pb.DiscoverRequest:
+             include_definitions=False, decode=False) -> pb.DiscoverRequest:
+    mode = pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE if decode else pb.MODE_AUTO
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
-                              request_id=request_id or "", shortlist=shortlist,
-                              mode=pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE,
+                              request_id=request_id or "", shortlist=shortlist, mode=mode,
                               include_definitions=include_definitions)
 
 
@@ -111,14 +111,15 @@ class DecoderClient(_Client):
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                  request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
-                 include_definitions: bool = False):
-        """Yield each Tool as soon as the decoder completes it, best first; afterwards .done holds the timings.
-        shortlist: tools retrieved into the prompt (0: the server's default); retrieve_only: the shortlist's
-        first k, no generator; include_definitions: each Tool also carries its description and input schema,
-        so that it can be called without a copy of the registry."""
+                 include_definitions: bool = False, decode: bool = False):
+        """Yield each Tool as soon as the decoder completes it, best first; afterwards .done holds the timings
+        and which stage chose the answer. shortlist: tools retrieved into the prompt (0: the server's default);
+        retrieve_only: the shortlist's first k, no generator; decode: the generator even where it cannot change
+        the answer (by default it runs only where it can); include_definitions: each Tool also carries its
+        description and input schema, so that it can be called without a copy of the registry."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
-                           include_definitions)
+                           include_definitions, decode)
         for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
@@ -144,11 +145,11 @@ class AsyncDecoderClient(_Client):
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                        request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
-                       include_definitions: bool = False):
+                       include_definitions: bool = False, decode: bool = False):
         """DecoderClient.discover for asyncio."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
-                           include_definitions)
+                           include_definitions, decode)
         async for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:

@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 
 TUNED_TOOLS = "tuned_tools.json"
+RETRIEVAL_ORDER = 1000.0   # a weight at or above which a rank outweighs any gap between the generator's logits: the
+                           # answer is retrieval's order whatever the generator writes (docs/quality.md)
 KNOWN_SHARE = 0.5   # a catalog is one the selector was tuned on when at least this share of its tools were
 
 
