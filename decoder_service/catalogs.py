@@ -297,6 +297,8 @@ class CatalogManager:
                 vectors = vectors_from_blob(blob, trie, digest, self.encoder.dim)
                 VECTORS.labels("store").inc()
         except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
+            if isinstance(e, BlobRejected):
+                BLOBS_REJECTED.labels(e.reason).inc()
             log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
         if vectors is None:
             def progress(done: int, total: int) -> None:

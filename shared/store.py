@@ -49,6 +49,17 @@ def blob_signature(key: bytes, name: str, version: int, blob: bytes) -> str:
     return mac.hexdigest()
 
 
+SIGNED = b"tooltrie-signed-1\0"   # what starts a stored artifact signed with the key: then its HMAC (64 hex digits)
+
+
+def artifact_signature(key: bytes, kind: str, name: str, version: int, part: str, data: bytes) -> str:
+    """HMAC-SHA256 binding an artifact a decoder stores beside a version (its tool vectors: kind "vectors", part
+    the encoder's digest) to that version: moved under another key, or changed, it no longer matches."""
+    mac = hmac.new(key, f"tooltrie-{kind}-1\0{name}\0{version}\0{part}\0".encode(), hashlib.sha256)
+    mac.update(data)
+    return mac.hexdigest()
+
+
 @dataclass(frozen=True)
 class VersionInfo:
     name: str
@@ -279,11 +290,28 @@ class CatalogStore:
         return blob
 
     def vectors(self, name: str, version: int, encoder_digest: str) -> bytes | None:
-        """A version's stored tool vectors for this encoder (decoder_service.retrieval's blob), or None."""
-        return self.r.get(self._key(name, "vectors", version, encoder_digest))
+        """A version's stored tool vectors for this encoder (decoder_service.retrieval's blob), or None; with a
+        signing key, only vectors signed with it for this version and encoder (else BlobRejected: a Redis
+        writer must not choose what ranks first)."""
+        stored = self.r.get(self._key(name, "vectors", version, encoder_digest))
+        if stored is None:
+            return None
+        signed = stored.startswith(SIGNED)
+        data = stored[len(SIGNED) + 64:] if signed else stored
+        if self.signing_key:
+            expected = artifact_signature(self.signing_key, "vectors", name, version, encoder_digest, data)
+            if not signed or not hmac.compare_digest(stored[len(SIGNED):len(SIGNED) + 64], expected.encode()):
+                raise BlobRejected(f"catalog {name!r} v{version}: its stored tool vectors are "
+                                   f"{'not signed with this key' if signed else 'not signed'}, and a signing key "
+                                   "is set", "signature")
+        return data
 
     def put_vectors(self, name: str, version: int, encoder_digest: str, blob: bytes) -> None:
-        """Keep a version's tool vectors so that a restart or another replica does not compute them again."""
+        """Keep a version's tool vectors so that a restart or another replica does not compute them again
+        (signed when the store has a signing key)."""
+        if self.signing_key:
+            blob = SIGNED + artifact_signature(self.signing_key, "vectors", name, version, encoder_digest,
+                                               blob).encode() + blob
         self.r.set(self._key(name, "vectors", version, encoder_digest), blob)
 
     def info(self, name: str, version: int = 0) -> VersionInfo:

@@ -139,7 +139,7 @@ def test_unknown_modes_are_invalid(tmp_path, small_tokenizer_dir, redis_url):
         s.store.publish("modes", trie_of(s.tok, TOOLS[:5]))
         s.start()
         err = failure(s.stub(), catalog="modes", intent="weather", k=1, mode=7)
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode must be one of MODE_DECODE" in err.details()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode must be one of MODE_AUTO, MODE_RETRIEVE, MODE_DECODE, got 7" in err.details()
     finally:
         s.close()
 
@@ -173,8 +173,8 @@ def test_sigterm_with_requests_that_outlive_the_drain_exits_in_time(attempt, tmp
 
         def one(i):
             try:
-                call = stub.Discover(pb.DiscoverRequest(catalog="drain", intent=f"request {i}", k=30, shortlist=40),
-                                     timeout=60)
+                call = stub.Discover(pb.DiscoverRequest(catalog="drain", intent=f"request {i}", k=30, shortlist=40,
+                                                        mode=pb.MODE_DECODE), timeout=60)
                 next(call)
                 accepted.release()
                 list(call)
@@ -242,3 +242,34 @@ def test_a_port_in_use_is_refused_with_one_clear_line(tmp_path, redis_url):
         first.stop(0)
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 1 and last.startswith(f"compiler: cannot listen on {addr}"), done.stderr[-2000:]
+
+
+def test_with_a_signing_key_forged_tool_vectors_are_refused_and_recomputed(redis_url, small_tokenizer_dir):
+    """Before: the key signed the version's blob, not its stored vectors (checked by sha256 only, which a Redis
+    writer recomputes): forged vectors made a chosen tool rank first for unrelated intents."""
+    from decoder_service.catalogs import CatalogManager
+    from decoder_service.retrieval import Vectors, vectors_blob, vectors_digest
+    from shared.store import SIGNED, BlobRejected
+    trie = trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:10])
+    namespace = f"forged-{os.getpid()}"
+    store = CatalogStore.from_url(redis_url, namespace=namespace, signing_key="k1")
+    unkeyed = CatalogStore.from_url(redis_url, namespace=namespace)   # a Redis writer without the key
+    store.publish("forged", trie)
+    encoder = GatedEncoder()
+    honest = CatalogManager(store, None, encoder=encoder).retriever("forged", 1, trie)
+    digest = vectors_digest(encoder)
+    key = store._key("forged", "vectors", 1, digest)
+    last = int(honest.shortlist("weather in Paris", 10).ids[-1])    # the tool retrieval ranks last
+    tools = -np.tile(honest.vectors.tools[last], (10, 1))
+    tools[last] *= -1                                                 # now the one that ranks first
+    forged = vectors_blob(Vectors(tools, honest.vectors.requests, honest.vectors.owner), trie.meta["content_hash"],
+                          digest)
+    for stored, why in ((forged, "not signed, and"), (SIGNED + b"0" * 64 + forged, "not signed with this key")):
+        unkeyed.r.set(key, stored)
+        with pytest.raises(BlobRejected, match=f"its stored tool vectors are {why}"):
+            store.vectors("forged", 1, digest)
+        read = CatalogManager(store, None, encoder=encoder).retriever("forged", 1, trie)   # refused, recomputed
+        assert np.array_equal(read.vectors.tools, honest.vectors.tools)
+        assert read.shortlist("weather in Paris", 1).ids[0] != last
+        assert store.vectors("forged", 1, digest) is not None    # stored again, signed
+    assert unkeyed.vectors("forged", 1, digest) is not None      # a store without the key reads them as they are
