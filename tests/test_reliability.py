@@ -139,7 +139,8 @@ def test_unknown_modes_are_invalid(tmp_path, small_tokenizer_dir, redis_url):
         s.store.publish("modes", trie_of(s.tok, TOOLS[:5]))
         s.start()
         err = failure(s.stub(), catalog="modes", intent="weather", k=1, mode=7)
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "mode must be one of MODE_AUTO, MODE_RETRIEVE, MODE_DECODE, got 7" in err.details()
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "mode must be one of MODE_AUTO, MODE_RETRIEVE, MODE_DECODE, got 7" in err.details()
     finally:
         s.close()
 
@@ -273,3 +274,35 @@ def test_with_a_signing_key_forged_tool_vectors_are_refused_and_recomputed(redis
         assert read.shortlist("weather in Paris", 1).ids[0] != last
         assert store.vectors("forged", 1, digest) is not None    # stored again, signed
     assert unkeyed.vectors("forged", 1, digest) is not None      # a store without the key reads them as they are
+
+
+def test_the_decoders_acl_user_of_the_deploy_docs_reads_stores_vectors_and_cannot_publish(redis_url,
+                                                                                         small_tokenizer_dir):
+    """docs/deploy.md's ACL line, applied to a real redis-server: the decoder loads a version (its tool vectors
+    computed and stored, its lease taken, events followed), and cannot publish an event or a catalog."""
+    import re
+    from pathlib import Path
+
+    import redis
+    from decoder_service.catalogs import CatalogManager
+    docs = (Path(__file__).parents[1] / "docs" / "deploy.md").read_text()
+    line = re.search(r"^ACL SETUSER tooltrie-decoder .*$", docs, re.M).group(0)
+    ns = f"acl{os.getpid()}"
+    admin = CatalogStore.from_url(redis_url, namespace=ns)
+    admin.r.execute_command(*line.replace("tooltrie:*", f"{ns}:*").replace(">PASSWORD", ">pw").split())
+    trie = trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:5])
+    admin.publish("acl", trie)
+    host = redis_url.split("//", 1)[1]
+    decoder = CatalogStore.from_url(f"redis://tooltrie-decoder:pw@{host}", namespace=ns)
+    manager = CatalogManager(decoder, None, encoder=GatedEncoder())
+    manager.retriever("acl", 1, trie)
+    manager._lease_now("acl", 1)
+    assert admin.r.keys(f"{ns}:cat:acl:vectors:*")
+    assert admin.r.zrange(admin._key("acl", "leases"), 0, -1)
+    pubsub = decoder.r.pubsub()
+    pubsub.subscribe(decoder.channel)
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        decoder.r.publish(decoder.channel, '{"name": "acl", "version": 1}')
+    with pytest.raises(redis.exceptions.NoPermissionError):
+        decoder.publish("acl", trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:6]))
+    admin.r.execute_command("ACL", "DELUSER", "tooltrie-decoder")
