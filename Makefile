@@ -1,10 +1,13 @@
 # tooltrie: `make run` starts the whole stack, `make test` runs the whole suite.
-# Both set themselves up first and are fast on a second run.
+# Both set themselves up first and are fast on a second run. `make run` installs only what serving needs;
+# `make test` and `make tune` add their extras (torch among them) to the same .venv.
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+TEST_STAMP := $(VENV)/.test-stamp
+TUNE_STAMP := $(VENV)/.tune-stamp
 PROTOS := $(wildcard protos/*.proto)
 GENERATED := $(patsubst protos/%.proto,shared/rpc/%_pb2.py,$(PROTOS))
 MODEL_DIR := models/SmolLM2-135M-Instruct
@@ -16,10 +19,20 @@ ENCODER := $(ENCODER_DIR)/model.safetensors
 
 setup: $(STAMP) proto redis
 
+# Serving: the core dependencies only (no torch, transformers or triton).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e .
+	touch $@
+
+# The test tools, and the tune extra (torch, transformers) because tests/test_tune.py trains a tiny selector.
+$(TEST_STAMP): pyproject.toml $(STAMP)
 	$(VENV)/bin/pip install -q -e '.[test,tune]'
+	touch $@
+
+$(TUNE_STAMP): pyproject.toml $(STAMP)
+	$(VENV)/bin/pip install -q -e '.[tune]'
 	touch $@
 
 # Generated gRPC code lives in shared/rpc/ and is never edited by hand.
@@ -60,12 +73,12 @@ $(ENCODER): $(STAMP)
 run: setup model
 	$(PY) -m devstack
 
-test: setup model
+test: setup model $(TEST_STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # The services fuzzed over real gRPC: 4 properties x 25,000 cases (make test runs 200 each); prints the
 # counts by status code.
-fuzz: setup model
+fuzz: setup model $(TEST_STAMP)
 	TOOLTRIE_FUZZ_EXAMPLES=25000 $(PY) -m pytest -q -p no:cacheprovider -s tests/test_fuzz.py
 
 # Answer quality on the validation split: the retrievers and tooltrie's answers, per data set and k
@@ -76,7 +89,7 @@ quality: setup model
 # Reproduces the committed adapters on a GPU (seed 0; docs/quality.md): shortlists from the service's retriever
 # over each catalog published with its training split as examples (tune/shortlist.py), the selection split kept
 # out. Writes var/tune/ (adapters, merged model, card.json).
-tune: setup model
+tune: setup model $(TUNE_STAMP)
 	$(PY) -m tune --base $(MODEL_DIR) --out var/tune --sets metatool,toolbench,bigcatalog \
 	    --synthetic --synthetic-per-set 600 --repeat toolbench=2,bigcatalog=2 --epochs 2 --rank 32 --alpha 64 \
 	    --lr 5e-4 --encoder $(ENCODER_DIR) --shortlist-cache var/tune/shortlists.json --seed 0 $(TUNE_ARGS)
@@ -95,12 +108,12 @@ bench-compiler: setup model
 	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
 
 # Byte-compiles every package, then ruff as configured in pyproject.toml ([tool.ruff]).
-lint: setup
+lint: setup $(TEST_STAMP)
 	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests bench
 	$(VENV)/bin/ruff check .
 
 # Rewrites files in place: run it on a quiet tree (nobody else's edits in flight), then review the diff.
-format: setup
+format: setup $(TEST_STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 

@@ -58,11 +58,11 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_TLS_CLIENT_KEY": ("", "client: PEM private key of TOOLTRIE_TLS_CLIENT_CERT"),
     "TOOLTRIE_TLS_SERVER_NAME": ("", "client: the name to verify in the server's certificate, when it is not "
                                  "the host of the address"),
-    "TOOLTRIE_PUBLISH_TOKEN": ("", "bearer token that Publish, SetLatest and blob reads require (the CLI sends "
-                               "it); empty: no token (then only TOOLTRIE_PUBLISH_IDENTITIES, or nothing, guards "
-                               "them)"),
+    "TOOLTRIE_PUBLISH_TOKEN": ("", "bearer token that Publish, SetLatest, Delete and blob reads require (the CLI "
+                               "sends it); empty: no token (then only TOOLTRIE_PUBLISH_IDENTITIES, or nothing, "
+                               "guards them)"),
     "TOOLTRIE_PUBLISH_IDENTITIES": ("", "comma-separated client certificate names (CN or SAN, mutual TLS) "
-                                    "allowed to publish, roll back and read blobs"),
+                                    "allowed to publish, roll back, delete and read blobs"),
     "TOOLTRIE_DISCOVER_TOKEN": ("", "bearer token Discover and GetInfo require (clients send it); empty: "
                                 "open"),
     "TOOLTRIE_SIGNING_KEY": ("", "HMAC key: the compiler signs each version's blob with it and the decoder "
