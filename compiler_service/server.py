@@ -1,4 +1,5 @@
-"""The compiler service: Compile, Publish, ListCatalogs, ListVersions, GetCatalog, SetLatest, Delete over gRPC.
+"""The compiler service: Compile, Publish, ListCatalogs, ListVersions, GetCatalog, SetLatest, Delete, Feedback,
+Learn over gRPC.
 
 `python -m compiler_service.server` listens on TOOLTRIE_COMPILER_ADDR, stores tries in REDIS_URL.
 """
@@ -11,14 +12,16 @@ import threading
 from prometheus_client import Histogram
 
 from compiler_service.compiler import compile_catalog
+from compiler_service.learn import check_feedback, check_tools, learned_registry
 from shared.catalog import check_catalog_name, parse_registry
 from shared.config import Settings
+from shared.feedback import FeedbackStore
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
 from shared.serving import (AddressInUse, Busy, Credentials, Guard, Rule, follow_redis, make_server, rpc,
                             server_credentials, setup_logging, start_metrics, wait_for_termination)
 from shared.store import CatalogStore, VersionInfo
 from shared.tokenizer import ModelTokenizer
-from shared.trie import read_blob_metadata
+from shared.trie import Trie, read_blob_metadata
 
 log = logging.getLogger("tooltrie.compiler")
 SERVICE = pb.DESCRIPTOR.services_by_name["CompilerService"].full_name
@@ -39,6 +42,9 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
     def __init__(self, tokenizer: ModelTokenizer, store: CatalogStore, settings: Settings):
         self.tok, self.store, self.settings = tokenizer, store, settings
         self._compiling = threading.BoundedSemaphore(COMPILES_AT_ONCE)
+        self.feedback = FeedbackStore(store)
+        self._names: dict[tuple[str, int], list[str]] = {}   # tool names of the versions feedback named lately
+        self._names_lock = threading.Lock()
 
     def _compile(self, registry_json: str, context):
         """The registry compiled, COMPILES_AT_ONCE at a time (a registry of 100,000 tools takes about 0.5 GB while it
@@ -94,6 +100,44 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
         log.info("deleted %s (%d versions)", request.name, versions)
         return pb.DeleteResponse(versions=versions)
 
+    def _tool_names(self, name: str, version: int) -> list[str]:
+        """A stored version's tool names (NotFound for one that is not stored); a version never changes and its
+        number is never reused, so the names of the last few asked for are kept rather than read again."""
+        self.store.info(name, version)
+        with self._names_lock:
+            names = self._names.get((name, version))
+        if names is None:
+            names = json.loads(read_blob_metadata(self.store.blob(name, version))["pointer_names"])
+            with self._names_lock:
+                if len(self._names) >= 16:
+                    self._names.pop(next(iter(self._names)))
+                self._names[(name, version)] = names
+        return names
+
+    @rpc(SERVICE)
+    def Feedback(self, request, context):
+        check_feedback(request, self.tok, self.settings.max_name_chars)
+        check_tools(request.tools, self._tool_names(request.name, request.version), request.name, request.version)
+        self.feedback.record(request.name, request.intent, list(request.tools))
+        return pb.FeedbackResponse()
+
+    @rpc(SERVICE)
+    def Learn(self, request, context):
+        """The latest version published again with the feedback its tools were chosen for alone as examples."""
+        name = request.name
+        latest = self.store.latest_version(name)
+        trie = Trie.from_blob(self.store.verified_blob(name, latest))
+        registry, added = learned_registry(trie, self.feedback.alone(name, trie.pointer_names),
+                                           self.settings.max_examples)
+        if not added:
+            return pb.LearnResponse(version=version_message(self.store.info(name, latest)), created=False)
+        learned = self._compile(json.dumps(registry, ensure_ascii=False), context)
+        if self.store.latest_version(name) != latest:   # never publish over a version that came meanwhile
+            raise Busy(f"catalog {name!r} changed while learning (v{latest} is no longer the latest); learn again")
+        info, created = self.store.publish(name, learned)
+        log.info("learned %s v%d from v%d: %d examples added", name, info.version, latest, added)
+        return pb.LearnResponse(version=version_message(info), created=created, examples_added=added)
+
 
 def _name(request) -> None:
     check_catalog_name(request.name)
@@ -106,15 +150,17 @@ def _version(request) -> None:
 
 
 def guard(settings: Settings) -> Guard:
-    """Compile, Publish, SetLatest, Delete and blob reads (GetCatalog with include_blob) need the publish credentials
-    (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set (a compile costs as much as a
-    publish); names are checked before anything touches Redis."""
+    """Compile, Publish, SetLatest, Delete, Feedback, Learn and blob reads (GetCatalog with include_blob) need the
+    publish credentials (TOOLTRIE_PUBLISH_TOKEN and/or TOOLTRIE_PUBLISH_IDENTITIES) when any are set (a compile
+    costs as much as a publish; feedback becomes examples); names are checked before anything touches Redis."""
     creds = Credentials([settings.publish_token], settings.publish_identities)
     method = f"/{SERVICE}/"
     return Guard({method + "Compile": Rule(None, creds),
                   method + "Publish": Rule(_name, creds),
                   method + "SetLatest": Rule(_version, creds),
                   method + "Delete": Rule(_name, creds),
+                  method + "Feedback": Rule(_name, creds),
+                  method + "Learn": Rule(_name, creds),
                   method + "GetCatalog": Rule(_name, creds, protected=lambda r: r.include_blob),
                   method + "ListVersions": Rule(_name)})
 

@@ -131,6 +131,18 @@ def cmd_delete(args) -> int:
     return 0
 
 
+def cmd_learn(args) -> int:
+    pb, stub = _compiler(args)
+    reply = stub.Learn(pb.LearnRequest(name=args.name), timeout=args.timeout)
+    v = reply.version.version
+    if reply.created:
+        print(f"learned: {args.name} v{v}, {reply.examples_added} examples added from feedback "
+              f"(`tooltrie rollback {args.name} <previous>` undoes it)")
+    else:
+        print(f"unchanged: {args.name} v{v} (no feedback it does not already have)")
+    return 0
+
+
 def _print_answer_json(tools, done) -> None:
     """The answer as one JSON object: each tool with its definition (description, input schema), then the
     timings; what a script calling the tools it found reads."""
@@ -206,7 +218,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--decoder", default=settings.decoder_addr, help="decoder service host:port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per call")
     p.add_argument("--token", default=settings.publish_token,
-                   help="bearer token for publish, rollback, delete and blob reads (default: TOOLTRIE_PUBLISH_TOKEN)")
+                   help="bearer token for publish, rollback, delete, learn and blob reads "
+                   "(default: TOOLTRIE_PUBLISH_TOKEN)")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("compile", help="compile a registry locally and print its stats (no servers)")
@@ -258,6 +271,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.add_argument("version", type=int)
     c.set_defaults(run=cmd_rollback)
+
+    c = sub.add_parser("learn", help="publish the next version of a catalog with the feedback its tools were "
+                       "chosen for as examples (Feedback RPC; the MCP gateway sends it)")
+    c.add_argument("name")
+    c.set_defaults(run=cmd_learn)
 
     c = sub.add_parser("delete", help="delete a catalog, every stored version (decoders stop serving it)")
     c.add_argument("name")
