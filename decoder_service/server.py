@@ -51,7 +51,8 @@ REFUSALS = [(RequestError, grpc.StatusCode.INVALID_ARGUMENT), (QueueFull, grpc.S
             (CatalogRefused, grpc.StatusCode.FAILED_PRECONDITION), (TimeoutError, grpc.StatusCode.UNAVAILABLE),
             (Stopped, grpc.StatusCode.UNAVAILABLE), (CatalogLoading, grpc.StatusCode.UNAVAILABLE)]
 FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCode.DEADLINE_EXCEEDED,
-                "cancelled": grpc.StatusCode.CANCELLED, "unavailable": grpc.StatusCode.UNAVAILABLE}
+                "cancelled": grpc.StatusCode.CANCELLED, "unavailable": grpc.StatusCode.UNAVAILABLE,
+                "busy": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
 def retrieved(rt, shortlist, k: int):
@@ -174,13 +175,14 @@ def build_engine(settings: Settings):
     cfg = ModelConfig.from_dir(settings.model_dir)
     kv_spec = KVPoolSpec.from_tokens(settings.kv_tokens)
     kind = resolve_backend(settings.backend)
+    max_seqs = settings.max_seqs or MAX_SEQS[kind]
     weights = load_weights(settings.model_dir, cfg, weights_dtype(kind, cfg))
     # The GPU backend's step buffers: a logit row per sequence, a block-table row per sequence.
-    backend = make_backend(cfg, weights, kv_spec, backend=kind, max_logit_rows=settings.max_seqs,
-                           max_table=settings.max_seqs * -(-cfg.max_position_embeddings // kv_spec.block_size))
+    backend = make_backend(cfg, weights, kv_spec, backend=kind, max_logit_rows=max_seqs,
+                           max_table=max_seqs * -(-cfg.max_position_embeddings // kv_spec.block_size))
     engine = DecodeEngine(backend, ModelTokenizer(settings.model_dir), num_blocks=kv_spec.num_blocks,
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
-                          config=EngineConfig(max_seqs=settings.max_seqs, max_waiting=settings.max_waiting,
+                          config=EngineConfig(max_seqs=max_seqs, max_waiting=settings.max_waiting,
                                               shortlist=settings.shortlist, fusion_weight=settings.fusion_weight,
                                               fusion_weight_unseen=settings.fusion_weight_unseen),
                           tuned_tools=tuned_tools(settings.model_dir))
@@ -201,6 +203,7 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         TOKENS_FORCED.set(engine.tokens_forced)
 
 
+MAX_SEQS = {"cuda": 64, "cpu": 4}   # TOOLTRIE_MAX_SEQS=0: sequences decoded at once, measured per backend (A1)
 MAX_REQUEST_ID_CHARS = 128
 MAX_ALLOW = 10_000
 HEALTH_PREFIX = "tooltrie.catalog."   # per-catalog health service names: tooltrie.catalog.<name>
@@ -287,7 +290,7 @@ def serve(settings: Settings | None = None) -> None:
     credentials = server_credentials(settings)
     server, health = make_server(settings.decoder_addr,
                                  lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE],
-                                 max_workers=settings.max_seqs + settings.max_waiting + 8,
+                                 max_workers=engine.config.max_seqs + settings.max_waiting + 8,
                                  options=server_options(settings), credentials=credentials,
                                  reflection_on=settings.reflection, interceptors=[guard(settings)])
     start_metrics(settings.metrics_port, settings.metrics_host)

@@ -29,6 +29,8 @@ from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")
 EXPIRY_SLACK = 0.01   # seconds: a request cancelled this close to its deadline was cancelled by it
+SERVICE_SMOOTHING = 0.2   # the weight of the newest answer in the moving average of the service time
+SERVICE_MARGIN = 1.25     # expected_seconds' margin: a request's time varies with the batch it runs in
 
 
 def make_sampler(backend, head: str, finish_forced: bool):
@@ -74,6 +76,7 @@ class EngineConfig:
     max_shortlist: int = 256       # the most a request may ask for
     fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
     fusion_weight_unseen: float | None = None   # the same for a catalog the selector was not tuned on (None: same)
+    admission: bool = True         # refuse a request that would finish after its deadline (expected_seconds)
 
 
 @dataclasses.dataclass
@@ -109,6 +112,7 @@ class DecodeEngine:
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
         self.steps_dropped = 0                # of those, how many were dropped unread (every row had ended)
         self.tokens_forced = 0                # answer tokens taken without a step of their own (forced)
+        self.service_seconds = 0.0            # recent requests' time from admission to answer (a moving average)
         self.on_step = None  # optional callable(seconds) for each step that did work (metrics)
 
     # --- catalogs ------------------------------------------------------------------------------
@@ -206,9 +210,22 @@ class DecodeEngine:
             waiting = self.queue_depth()
             if waiting >= self.config.max_waiting:
                 raise QueueFull(f"{waiting} requests are already waiting (the bound is {self.config.max_waiting})")
+            expected = self.expected_seconds(waiting + len(self.scheduler.running))
+            if timeout is not None and expected > timeout:
+                raise QueueFull(f"the decoder is busy: a request queued now would finish in about {expected:.1f} s, "
+                                f"after its deadline ({timeout:.1f} s)")
             self._inbox.append(("submit", seq))
             self._wake.notify()
         return seq
+
+    def expected_seconds(self, ahead: int) -> float:
+        """About how long a request with `ahead` requests before it (running or waiting) takes to finish, from the
+        recent service time (admission to answer): 0 while a slot is free for it, else that time for each round
+        of max_seqs ahead of it and its own. Admission refuses what would finish after its deadline, at once,
+        instead of running it for nothing and slowing everyone else."""
+        if ahead < self.config.max_seqs or not self.config.admission:
+            return 0.0
+        return SERVICE_MARGIN * self.service_seconds * (ahead // self.config.max_seqs + 1)
 
     def queue_depth(self) -> int:
         """Requests submitted and not yet admitted (catalog warm-ups do not count)."""
@@ -382,15 +399,21 @@ class DecodeEngine:
         log.info("catalog %s v%s warm: %d prefix tokens in %.2f s", *rt.key, len(rt.prefix_ids), rt.warm_seconds)
 
     def _expire(self, now: float) -> None:
-        """Fail cancelled and expired requests. A caller's RPC ends at the deadline it shares with the
-        request and cancels it then, a moment before the engine's clock passes it: within EXPIRY_SLACK of
-        its deadline, a cancelled request counts as expired."""
-        for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+        """Fail cancelled and expired requests, and waiting ones that would finish after their deadline (busy:
+        expected_seconds). A caller's RPC ends at the deadline it shares with the request and cancels it then,
+        a moment before the engine's clock passes it: within EXPIRY_SLACK of its deadline, a cancelled request
+        counts as expired."""
+        running, waiting = list(self.scheduler.running), list(self.scheduler.waiting)
+        for ahead, seq in enumerate([*running, *waiting]):
             expired = seq.deadline is not None and now > seq.deadline - (EXPIRY_SLACK if seq.cancelled else 0.0)
             if expired:
                 self._fail(seq, FailedEvent("deadline", "the request's deadline passed"))
             elif seq.cancelled:
                 self._fail(seq, FailedEvent("cancelled", "the request was cancelled"))
+            elif seq.state == State.WAITING and seq.deadline is not None and not seq.warmup and \
+                    now + self.expected_seconds(ahead) > seq.deadline:
+                self._fail(seq, FailedEvent("busy", f"the decoder is busy: the request would finish in about "
+                                                    f"{self.expected_seconds(ahead):.1f} s, after its deadline"))
 
     def _fail(self, seq: Sequence, event: FailedEvent) -> None:
         self.scheduler.release(seq)
@@ -465,6 +488,8 @@ class DecodeEngine:
             self._fail(seq, FailedEvent("internal", f"host walk of the answer failed: {e}"))
             return
         now = time.monotonic()
+        served = now - seq.t_admit
+        self.service_seconds += SERVICE_SMOOTHING * (served - self.service_seconds) if self.service_seconds else served
         self.scheduler.release(seq)
         seq.finish(DoneEvent(prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated),
                              queue_ms=(seq.t_admit - seq.t_submit) * 1e3,

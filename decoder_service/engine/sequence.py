@@ -42,7 +42,7 @@ class DoneEvent:
 
 @dataclass(frozen=True)
 class FailedEvent:
-    kind: str            # "internal", "cancelled", "deadline", "unavailable" (the decoder is stopping)
+    kind: str            # "internal", "cancelled", "deadline", "busy" (it would miss its deadline), "unavailable"
     message: str
 
 
