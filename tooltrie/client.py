@@ -32,6 +32,8 @@ class Tool:
     retrieval_rank: int     # its rank in the shortlist the prompt listed
     description: str = ""   # with include_definitions: the tool's description
     input_schema: dict | None = None  # with include_definitions: its input schema (None when it has none)
+    confidence: float = 0.0  # calibrated chance, in [0, 1], that it is a tool the caller wanted (never above the
+                             # previous tool's)
 
 
 class _Answer:
@@ -50,7 +52,8 @@ class _Answer:
         else:
             p = event.pointer
             return Tool(p.index, p.name, p.logprob, self.accepted.catalog, self.accepted.version, p.retrieval_score,
-                        p.retrieval_rank, p.description, json.loads(p.input_schema) if p.input_schema else None)
+                        p.retrieval_rank, p.description, json.loads(p.input_schema) if p.input_schema else None,
+                        p.confidence)
         return None
 
 
@@ -85,11 +88,11 @@ def bearer(token: str | None) -> list[tuple[str, str]]:
 
 
 def _request(catalog, intent, k, version, allow, request_id, shortlist=0, retrieve_only=False,
-             include_definitions=False, decode=False) -> pb.DiscoverRequest:
+             include_definitions=False, decode=False, min_confidence=0.0) -> pb.DiscoverRequest:
     mode = pb.MODE_RETRIEVE if retrieve_only else pb.MODE_DECODE if decode else pb.MODE_AUTO
     return pb.DiscoverRequest(catalog=catalog, intent=intent, k=k, version=version, allow=allow or [],
                               request_id=request_id or "", shortlist=shortlist, mode=mode,
-                              include_definitions=include_definitions)
+                              include_definitions=include_definitions, min_confidence=min_confidence)
 
 
 class _Client:
@@ -111,15 +114,17 @@ class DecoderClient(_Client):
 
     def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                  request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
-                 include_definitions: bool = False, decode: bool = False):
+                 include_definitions: bool = False, decode: bool = False, min_confidence: float = 0.0):
         """Yield each Tool as soon as the decoder completes it, best first; afterwards .done holds the timings
         and which stage chose the answer. shortlist: tools retrieved into the prompt (0: the server's default);
         retrieve_only: the shortlist's first k, no generator; decode: the generator even where it cannot change
         the answer (by default it runs only where it can); include_definitions: each Tool also carries its
-        description and input schema, so that it can be called without a copy of the registry."""
+        description and input schema, so that it can be called without a copy of the registry; min_confidence:
+        only the tools whose confidence reaches it (the answer's head, maybe none; .done.cut says how many of the k
+        were cut), where 0 answers exactly k."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
-                           include_definitions, decode)
+                           include_definitions, decode, min_confidence)
         for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
@@ -145,11 +150,11 @@ class AsyncDecoderClient(_Client):
 
     async def discover(self, catalog: str, intent: str, k: int, version: int = 0, allow: list[str] | None = None,
                        request_id: str | None = None, shortlist: int = 0, retrieve_only: bool = False,
-                       include_definitions: bool = False, decode: bool = False):
+                       include_definitions: bool = False, decode: bool = False, min_confidence: float = 0.0):
         """DecoderClient.discover for asyncio."""
         answer = _Answer()
         request = _request(catalog, intent, k, version, allow, request_id, shortlist, retrieve_only,
-                           include_definitions, decode)
+                           include_definitions, decode, min_confidence)
         async for event in self.stub.Discover(request, timeout=self.timeout, metadata=self.metadata):
             tool = answer.read(event)
             if tool:
