@@ -447,3 +447,16 @@ def test_edge_prior_is_the_best_prior_left_below_an_edge():
     assert sampler.edge_prior(0, 10, emitted, 1, allow, prior) == -1.0   # 7 was emitted
     assert sampler.edge_prior(6, 10, emitted, 1, allow, prior) == -2.0
     assert sampler.edge_prior(3, 5, emitted, 0, allow, prior) == -np.inf
+
+
+def test_both_samplers_implement_the_written_protocol(backend):
+    """The engine's contract with a sampler is sampler.Sampler; the device sampler is checked by name (it needs a
+    GPU backend to build), the host one as built."""
+    from decoder_service.engine.cuda_sampler import DeviceSampler
+    from decoder_service.engine.sampler import HostSampler, Sampler
+    host = HostSampler(backend)
+    assert isinstance(host, Sampler) and host.next_tokens([]) is None and host.done_flags([]) is None
+    protocol = {n for n in vars(Sampler) if not n.startswith("_")}
+    assert protocol <= set(dir(DeviceSampler)) and protocol <= set(dir(HostSampler))
+    with pytest.raises(RuntimeError, match="nothing to follow"):
+        host.follow([])

@@ -20,7 +20,7 @@ import numpy as np
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.fusion import catalog_weight, rank_prior
-from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick, forced_edge
+from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick, Sampler, forced_edge
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
@@ -33,7 +33,7 @@ SERVICE_SMOOTHING = 0.2   # the weight of the newest answer in the moving averag
 SERVICE_MARGIN = 1.25     # expected_seconds' margin: a request's time varies with the batch it runs in
 
 
-def make_sampler(backend, head: str, finish_forced: bool):
+def make_sampler(backend, head: str, finish_forced: bool) -> Sampler:
     """The device sampler for the sparse head on a GPU backend, the host sampler otherwise."""
     if head == "sparse" and getattr(backend, "name", "") == "cuda":
         from decoder_service.engine.cuda_sampler import DeviceSampler

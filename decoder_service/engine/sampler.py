@@ -9,7 +9,7 @@ id on a tie: a fixed rule, so the same logits give the same token in any batch.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
 import numpy as np
 from numba import njit
@@ -129,9 +129,28 @@ def empty_mask_message(seq) -> str:
     return f"empty mask: no legal token at trie node {seq.node} after {seq.n_emitted} of {seq.k} pointers"
 
 
+@runtime_checkable
+class Sampler(Protocol):
+    """What the engine asks of a sampler (HostSampler, and cuda_sampler.DeviceSampler on a GPU). A step's picks
+    are a handle: `start` makes it for the rows that get a token, `finish` reads it (a Pick, or a message saying
+    why there is none, per row). Where `next_tokens(handle)` is not None the picks are on the device: the engine
+    may launch the same rows' next step before reading them, its forward pass fed those tokens and gated by
+    `done_flags(handle)`, and `follow(handle)` enqueues that step's picks. `bind` places a version where the
+    sampler reads it (at its switch), `forget` drops a released one."""
+
+    def bind(self, catalog, constant: bool = True) -> None: ...
+    def forget(self, catalog) -> None: ...
+    def start(self, seqs): ...
+    def finish(self, picks) -> list[Pick | str]: ...
+    def next_tokens(self, picks): ...
+    def done_flags(self, picks): ...
+    def follow(self, picks): ...
+
+
 class HostSampler:
     """Legal edges on the host, logits from the backend's sparse head (or its dense head + gather),
-    the winner by `select`. Every backend runs it; the sparse head tiles over any number of candidates."""
+    the winner by `select`. Every backend runs it; the sparse head tiles over any number of candidates. Its
+    picks are computed at `start`: never on the device, so the engine never steps ahead of them."""
 
     def __init__(self, backend, head: str = "sparse"):
         self.backend, self.head = backend, head
@@ -154,6 +173,16 @@ class HostSampler:
     def next_tokens(picks) -> None:
         """Host picks are not on the device: the engine cannot step ahead of them."""
         return None
+
+    @staticmethod
+    def done_flags(picks) -> None:
+        """Host picks are not on the device: nothing gates a step on them."""
+        return None
+
+    @staticmethod
+    def follow(picks):
+        """Never asked: next_tokens is None, so no step is launched ahead of host picks."""
+        raise RuntimeError("the host sampler's picks are read before the next step: there is nothing to follow")
 
     def choose(self, seqs) -> list[Pick | str]:
         """A Pick per sequence, or a message saying why there is none."""
@@ -187,5 +216,5 @@ class HostSampler:
         return picks
 
 
-__all__ = ["HostSampler", "Pick", "compile_for", "edge_prior", "edge_priors", "forced_edge", "legal_edges", "select",
-           "SEP", "STOP"]
+__all__ = ["HostSampler", "Pick", "Sampler", "compile_for", "edge_prior", "edge_priors", "forced_edge", "legal_edges",
+           "select", "SEP", "STOP"]
