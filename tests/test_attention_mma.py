@@ -1,6 +1,6 @@
 """k_attn_mma, prompt attention on the tensor cores, against float64 (numba's CUDA simulator, or a GPU).
 
-Tiny bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk; on a GPU also Qwen3's
+Tiny one-layer bf16 models (head_dim 8, and Qwen3's 16: neither a multiple of the 32-wide chunk; on a GPU also Qwen3's
 at head_dim 72 and 128, past k_attn_mma's 64: k_attn_mma_wide, the same body with its arrays sized for 128,
 with a partial chunk and without; the simulator's backend stops at head_dim 16) prefill a chunk
 of rows after a context whose K/V are random, at the smallest split the build allows (8 positions under
@@ -60,8 +60,10 @@ def _case(tmp, arch: str, most_splits: int | None = None, head_dim: int | None =
     from decoder_service.model.weights import f32_to_bf16, load_weights, to_float32
     from model_fixtures import make_tiny_model
 
+    # one layer: the checked output is the last layer's, and its kernels are the same whatever comes before it (the
+    # layers' own indexing is test_model_cuda_sim's); under the simulator each layer costs as much as the check
     d = make_tiny_model(tmp, arch=arch, dtype="bfloat16", seed=5,
-                        config_overrides={"head_dim": head_dim} if head_dim else None)
+                        config_overrides={"num_hidden_layers": 1, **({"head_dim": head_dim} if head_dim else {})})
     cfg = ModelConfig.from_dir(d)
     scale = TP // 8                    # positions scale with the smallest split: 8 simulated, 64 on a GPU
     be = CudaBackend(cfg, load_weights(d, cfg, dtype="bfloat16", progress=False), KVPoolSpec(12, 4 * scale),
