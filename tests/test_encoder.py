@@ -483,7 +483,9 @@ def _sim_case() -> dict:
 
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:
-        d = write_tiny_model(Path(tmp) / "m", seed=5)
+        # one layer: every kernel of a layer runs all the same, at half the simulator's time (the CPU tests and the
+        # GPU test run several)
+        d = write_tiny_model(Path(tmp) / "m", seed=5, num_hidden_layers=1)
         cfg = EncoderConfig.from_dir(d)
         w = load_weights(d, cfg)
     seqs = random_seqs(np.random.default_rng(6), 4, cfg.vocab_size, cfg.max_seq_length)
