@@ -70,6 +70,14 @@ $(TUNED): $(MODEL) $(wildcard $(ADAPTERS)/*)
 $(ENCODER): $(STAMP)
 	$(PY) -m decoder_service.encoder.fetch --out $(ENCODER_DIR)
 
+# The encoder tuned for tools: each committed delta (tune/encoder_deltas/, made on a GPU by `python -m tune.encoder`)
+# merged into the base with numpy (tune/encoder_merge.py, no torch): $(ENCODER_DIR)-tuned, trained on the three data
+# sets, and $(ENCODER_DIR)-tuned-without-<set>, the leave-one-out rows' (`make quality`, docs/quality.md).
+ENCODER_DELTAS := tune/encoder_deltas/all-minilm-l6-v2
+model: $(patsubst $(ENCODER_DELTAS)/%.safetensors,$(ENCODER_DIR)-%/model.safetensors,$(wildcard $(ENCODER_DELTAS)/*.safetensors))
+$(ENCODER_DIR)-%/model.safetensors: $(ENCODER_DELTAS)/%.safetensors $(ENCODER)
+	$(PY) -m tune.encoder_merge --base $(ENCODER_DIR) --delta $< --out $(ENCODER_DIR)-$*
+
 run: setup model
 	$(PY) -m devstack
 
