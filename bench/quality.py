@@ -9,8 +9,12 @@ less the queries measured): BM25 top-k, the dense encoder's top-k, the vote of t
 query (k nearest neighbours), the fusion of the three (the decoder's retriever), the share of gold tools within the
 shortlist (the ceiling of any answer drawn from it), and tooltrie's answers through the engine (the shortlist in
 the prompt, the generator constrained to it, the answer's order fused with retrieval at each --weights value).
-k is each query's number of gold tools. Prints a markdown table with rows per k and writes
-bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0: all).
+k is each query's number of gold tools. Beside them, in the same run (`--unseen`, default loo), each data set as a
+catalog nobody has seen (leave one data set out): published without examples, answered by BM25, by the dense and
+fused retrievers with the base encoder and with the service encoder's counterpart trained without that set, and by
+tooltrie at the unseen fusion weight; each query's answers are kept in the results. Prints a markdown table with
+rows per k and writes bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0:
+all).
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ import numpy as np
 from compiler_service.compiler import compile_catalog
 from bench.common import device_label
 from decoder_service.encoder import load_encoder
+from decoder_service.encoder.fetch import DEFAULT_ENCODER_DIR as BASE_ENCODER_DIR
+from decoder_service.encoder.tuned import trained_on, without
 from decoder_service.engine.fusion import tuned_tools
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
@@ -74,6 +80,7 @@ class Harness:
         self.encoder = load_encoder(encoder_dir, self.kind)
         self.dense_weight, self.vote_weight = dense_weight, vote_weight
         self.tuned_tools = tuned_tools(model_dir)
+        self.encoders = {}   # other encoders (the leave-one-out rows'), by folder
 
     def engine(self, weight: float | None) -> DecodeEngine:
         """An engine answering at `weight` whatever the catalog, or (None) at the service's settings: the tuned
@@ -93,6 +100,69 @@ class Harness:
             assert len(answer) == len(set(answer)) == seq.k, f"not k distinct names: {answer}"
             out.append(answer)
         return out
+
+    def decoded(self, engine: DecodeEngine, rt, queries: list, shortlists: list) -> tuple[list, list[int]]:
+        """(answers, prompt tokens): each query answered by the engine over its shortlist, in waves of the queue's
+        bound."""
+        answers, tokens, wave = [], [], engine.config.max_waiting
+        for start in range(0, len(queries), wave):
+            seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s)
+                    for q, s in zip(queries[start:start + wave], shortlists[start:start + wave])]
+            tokens += [len(seq.prompt_ids) for seq in seqs]
+            engine.run_until_idle()
+            answers += self.answers(seqs)
+        return answers, tokens
+
+    def encoder_at(self, model_dir: Path):
+        """The encoder in model_dir on this harness's backend, loaded once."""
+        key = Path(model_dir).resolve()
+        if key == Path(self.encoder.model_dir).resolve():
+            return self.encoder
+        if key not in self.encoders:
+            self.encoders[key] = load_encoder(key, self.kind)
+        return self.encoders[key]
+
+    def unseen(self, name: str, split: str, n: int, base_encoder: Path, weight: float | None) -> dict:
+        """Data set `name` as a catalog nobody has seen (leave one data set out): published without examples, its
+        queries answered by BM25, by the dense and fused retrievers with the base encoder and with the service's
+        encoder's counterpart trained without `name` (decoder_service.encoder.tuned.without; the base itself where
+        the service's encoder is the base), and by tooltrie through the engine over the latter's shortlists at
+        `weight` (None: no engine). Each query's answers are kept."""
+        queries = sample(dataset.queries(name, split), n)
+        tools = json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))
+        trie = compile_catalog(parse_registry(dataset.published(tools, [])), self.tok)
+        trie.meta.update(name=name, version=1)
+        names, index = trie.pointer_names, bm25_index(trie)
+        lists = {"bm25": [[names[i] for i in top_n(index.scores(q.text, len(names)), len(q.tools))]
+                          for q in queries]}
+        encoders = {"base": Path(base_encoder)}
+        loo = without(self.encoder.model_dir, name)
+        if loo.resolve() != Path(base_encoder).resolve():
+            encoders["tuned"] = loo
+        for label, model_dir in encoders.items():
+            encoder = self.encoder_at(model_dir)
+            vectors, _ = computed_vectors(trie, encoder)
+            retriever = Retriever(index, len(names), vectors, encoder, self.dense_weight, self.vote_weight)
+            dense, fused, shortlists = [], [], []
+            for q in queries:
+                cos = (vectors.tools @ encoder.encode(intent_parts(q.text)).T).max(axis=1)
+                dense.append([names[i] for i in top_n(cos.astype(np.float32), len(q.tools))])
+                shortlists.append(retriever.shortlist(q.text, max(SHORTLIST, len(q.tools))))
+                fused.append([names[i] for i in shortlists[-1].ids[:len(q.tools)]])
+            lists[f"dense ({label})"], lists[f"fused ({label})"] = dense, fused
+        if weight is not None:   # the service's encoder's counterpart: the last retriever
+            engine = self.engine(weight)
+            rt = engine.load_catalog(trie, retriever)
+            engine.run_until_idle()
+            lists[f"tooltrie w={rt.fusion_weight:g} ({label})"] = self.decoded(engine, rt, queries, shortlists)[0]
+        rows, counts = rows_of(lists, queries)
+        return {"set": name, "label": f"{dataset.SETS[name]} unseen", "split": split, "queries": len(queries),
+                "by_k": dict(sorted(counts.items())), "tools": len(names), "examples": 0,
+                "encoders": {label: {"folder": Path(d).name, "trained_on": sorted(trained_on(d))}
+                             for label, d in encoders.items()},
+                "selector_trained_on_it": bool(self.tuned_tools & set(names)), "rows": rows,
+                "answers": [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
+                            for i, q in enumerate(queries)]}
 
     def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0,
             keep_answers: bool = False, sizes: tuple[int, ...] = (SHORTLIST,)) -> dict:
@@ -128,31 +198,11 @@ class Harness:
             rt = engine.load_catalog(trie, retriever)
             engine.run_until_idle()
             cut = [s.head(max(size, len(q.tools))) for q, s in zip(queries, shortlists)]
-            answers, tokens, wave = [], [], engine.config.max_waiting    # the queue's bound: submit in waves
-            for start in range(0, len(queries), wave):
-                seqs = [engine.submit(rt, q.text, len(q.tools), shortlist=s)
-                        for q, s in zip(queries[start:start + wave], cut[start:start + wave])]
-                tokens += [len(seq.prompt_ids) for seq in seqs]
-                engine.run_until_idle()
-                answers += self.answers(seqs)
+            answers, tokens = self.decoded(engine, rt, queries, cut)
             method = sized(f"tooltrie w={rt.fusion_weight:g}", size, sizes)
             lists[method] = answers
             prompt_tokens[method] = round(float(np.mean(tokens)), 1)
-        rows = {}
-        for method, answers in lists.items():
-            by_k = defaultdict(list)
-            for a, q in zip(answers, queries):
-                for g in groups(q, new):
-                    by_k[g].append((a, q))
-            if method.startswith("shortlist"):  # the ceiling: gold within the shortlist (recall only)
-                rows[method] = {"all": score(answers, queries)["recall"]}
-                continue
-            rows[method] = {"all": score(answers, queries),
-                            **{g: score([a for a, _ in v], [q for _, q in v]) for g, v in sorted(by_k.items())}}
-        counts = defaultdict(int)
-        for q in queries:
-            for g in groups(q, new):
-                counts[g] += 1
+        rows, counts = rows_of(lists, queries, new)
         out = {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
                "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "shortlists": list(sizes),
                "prompt_tokens": prompt_tokens, "rows": rows}
@@ -160,6 +210,27 @@ class Harness:
             out["answers"] = [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
                               for i, q in enumerate(queries)]
         return out
+
+
+def rows_of(lists: dict[str, list], queries: list, new: frozenset[str] = frozenset()) -> tuple[dict, dict]:
+    """(rows, counts): each method's scores over all queries and per group (groups), the shortlists' recall only;
+    and the number of queries in each group."""
+    rows = {}
+    for method, answers in lists.items():
+        by_k = defaultdict(list)
+        for a, q in zip(answers, queries):
+            for g in groups(q, new):
+                by_k[g].append((a, q))
+        if method.startswith("shortlist"):  # the ceiling: gold within the shortlist (recall only)
+            rows[method] = {"all": score(answers, queries)["recall"]}
+            continue
+        rows[method] = {"all": score(answers, queries),
+                        **{g: score([a for a, _ in v], [q for _, q in v]) for g, v in sorted(by_k.items())}}
+    counts = defaultdict(int)
+    for q in queries:
+        for g in groups(q, new):
+            counts[g] += 1
+    return rows, counts
 
 
 def sized(method: str, size: int, sizes: tuple[int, ...]) -> str:
@@ -172,7 +243,7 @@ def table(results: list[dict]) -> str:
     """One markdown table: a row per set, method and k group."""
     lines = ["| data set | queries | method | k | recall@k | exact-set |", "| --- | --- | --- | --- | --- | --- |"]
     for r in results:
-        label = dataset.SETS[r["set"]]
+        label = r.get("label") or dataset.SETS[r["set"]]
         for method, row in r["rows"].items():
             if method.startswith("shortlist"):
                 size = method.partition("N=")[2] or r["shortlists"][0]
@@ -194,6 +265,9 @@ def quality_arguments(p) -> None:
                    "settings, by whether the model was tuned on the catalog; none: the retrievers alone)")
     p.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
     p.add_argument("--encoder", default=Settings().encoder_dir)
+    p.add_argument("--base-encoder", default=str(BASE_ENCODER_DIR), help="the untuned encoder of the unseen rows")
+    p.add_argument("--unseen", default="loo", choices=["loo", "only", "none"], help="the unseen rows (each set "
+                   "published without examples, leave one data set out) beside the others, alone, or not")
     p.add_argument("--backend", default="auto")
     p.add_argument("--hold-out-tools", type=float, default=0.0, help="fraction of each catalog's tools published "
                    "without examples (shared/dataset.held_out), reported apart as new tools")
@@ -218,12 +292,19 @@ def quality(args) -> None:
     harness = Harness(args.model, args.encoder, args.backend, args.dense_weight, args.vote_weight)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
-    results = []
+    results, unseen = [], []
     for name in args.sets.split(","):
-        results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers), sizes))
-        print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
+        if args.unseen != "only":
+            results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers), sizes))
+            print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
+        if args.unseen != "none":   # a selector never shown the set gets the unseen weight (engine.fusion)
+            unseen.append(harness.unseen(name, args.split, n, Path(args.base_encoder),
+                                         Settings().fusion_weight_unseen if weights else None))
+            print(f"{name} unseen: {unseen[-1]['queries']} queries, {time.perf_counter() - started:.0f} s",
+                  flush=True)
     device = device_label(harness.kind)
-    suffix = ("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
+    suffix = (("" if args.split == "validation" else f"_{args.split}") + ("_new_tools" if args.hold_out_tools else "")
+              + ("_unseen" if args.unseen == "only" else ""))
     out = args.out or REPO_ROOT / "bench" / "results" / f"quality_{device}{suffix}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     if args.answers:
@@ -233,5 +314,6 @@ def quality(args) -> None:
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
                                "vote_weight": args.vote_weight,
                                "shortlist": list(sizes), "weights": ["service" if w is None else w for w in weights],
-                               "hold_out_tools": args.hold_out_tools, "results": results}, indent=1) + "\n")
-    print(table(results))
+                               "hold_out_tools": args.hold_out_tools, "results": results, "unseen": unseen,
+                               "seconds": round(time.perf_counter() - started)}, indent=1) + "\n")
+    print(table(results + unseen))
