@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge, Histogram
 
 from decoder_service.catalogs import CatalogLoading, CatalogManager, CatalogRefused
+from decoder_service.confidence import Calibrator
 from decoder_service.engine.fusion import RETRIEVAL_ORDER
 from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError, Stopped
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
@@ -67,6 +68,7 @@ def retrieved(rt, shortlist, k: int):
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
     def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict):
         self.engine, self.catalogs, self.info = engine, catalogs, info
+        self.calibrator = Calibrator.load()
         self.draining = False
         self._live_ids: set[str] = set()   # the request ids of the Discover calls in flight
         self._ids_lock = threading.Lock()
@@ -131,6 +133,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=request_id))
             rank = {int(p): (r, float(shortlist.scores[r])) for r, p in enumerate(shortlist.ids)}
             events = seq if seq is not None else retrieved(rt, shortlist, request.k)
+            stage = "generator" if decode else "retrieval"
+            confidence, cut = 1.0, 0   # each pointer's, capped by the one before: a cut is the answer's tail
             for event in events:
                 if isinstance(event, FailedEvent):
                     self._abort(context, FAILED_CODES.get(event.kind, grpc.StatusCode.INTERNAL), event.message)
@@ -138,14 +142,20 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                     REQUESTS.labels("OK").inc()
                     RPC_TOTAL.labels(SERVICE, "Discover", "OK").inc()
                     yield pb.DiscoverEvent(done=pb.Done(**event.__dict__, retrieval_ms=shortlist.seconds * 1e3,
-                                                        stage="generator" if decode else "retrieval"))
+                                                        stage=stage, cut=cut))
                     return
                 if event.index == 0:
                     FIRST_POINTER.observe(time.monotonic() - started)
                 r, score = rank[event.pointer_id]
+                confidence = self.calibrator.confidence(stage, shortlist.scores, request.k, r, event.logprob,
+                                                        confidence)
+                if confidence < request.min_confidence:
+                    cut += 1
+                    continue
                 yield pb.DiscoverEvent(pointer=pb.Pointer(index=event.index, name=event.name,
                                                           token_ids=list(event.token_ids), logprob=event.logprob,
                                                           retrieval_score=score, retrieval_rank=r,
+                                                          confidence=confidence,
                                                           **(rt.trie.definition(event.pointer_id)
                                                              if request.include_definitions else {})))
         finally:
@@ -228,6 +238,8 @@ def check_discover(settings: Settings):
             raise ValueError(f"version must be 0 (the latest) or a version number, got {request.version}")
         if request.mode not in pb.Mode.values():
             raise ValueError(f"mode must be one of {', '.join(pb.Mode.keys())}, got {request.mode}")
+        if not 0.0 <= request.min_confidence <= 1.0:   # NaN fails this too
+            raise ValueError(f"min_confidence must be from 0 to 1, got {request.min_confidence:g}")
     return validate
 
 

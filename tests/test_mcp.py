@@ -9,6 +9,7 @@ import uuid
 from pathlib import Path
 
 import anyio
+import grpc
 import pytest
 from mcp import Client
 from mcp.client.stdio import StdioServerParameters
@@ -16,6 +17,8 @@ from mcp.client.stdio import StdioServerParameters
 from devstack.redis_server import free_port
 from devstack.stack import wait_serving
 from model_fixtures import make_serving_model
+from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
+from shared.trie import Trie
 from test_e2e import Stack, wait_health
 from tooltrie import cli
 from tooltrie.client import DecoderClient
@@ -76,8 +79,8 @@ def stop(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-async def search(client, query, k) -> dict:
-    result = await client.call_tool("search_tools", {"query": query, "k": k})
+async def search(client, query, k, min_confidence=0.0) -> dict:
+    result = await client.call_tool("search_tools", {"query": query, "k": k, "min_confidence": min_confidence})
     assert not result.is_error, result.content[0].text
     assert json.loads(result.content[0].text) == result.structured_content   # the same answer as text
     return result.structured_content
@@ -146,12 +149,16 @@ async def test_over_stdio_search_tools_answers_with_definitions_and_call_tool_ne
         assert {t.name for t in (await client.list_tools()).tools} == {"search_tools", "call_tool"}
         answer = await search(client, "what's the weather in Paris", 2)
         assert answer["catalog"] == "demo" and answer["version"] >= 1 and len(answer["tools"]) == 2
+        assert answer["cut"] == 0
         by_name = {t["name"]: t for t in DEMO}
         for rank, found in enumerate(answer["tools"], 1):
             assert found["rank"] == rank and isinstance(found["retrieval_score"], float)
             assert found["description"] == by_name[found["name"]]["description"]
             assert found["input_schema"] == by_name[found["name"]].get("inputSchema")
-            assert "confidence" not in found   # the decoder gives none yet
+            assert 0.0 <= found["confidence"] <= 1.0
+        assert answer["tools"][0]["confidence"] >= answer["tools"][1]["confidence"]
+        none = await search(client, "what's the weather in Paris", 2, min_confidence=1.0)
+        assert none["tools"] == [] and none["cut"] == 2 and none["version"] == answer["version"]
 
         refused = await client.call_tool("call_tool", {"name": "get_weather", "arguments": {"city": "Paris"}})
         assert refused.is_error and "only in gateway mode" in refused.content[0].text
@@ -204,6 +211,23 @@ async def test_the_gateway_publishes_the_union_and_returns_the_owners_results(ga
         assert unknown.is_error and "no tool 'get_tides' on any upstream server" in unknown.content[0].text
         malformed = await client.call_tool("call_tool", {"name": "get_weather", "arguments": ["Paris"]})
         assert malformed.is_error and "arguments" in malformed.content[0].text
+
+
+@pytest.mark.anyio
+async def test_a_call_after_a_search_is_feedback_that_learn_publishes(gateway, stack, capsys):
+    await eventually(lambda: names_found(gateway["url"], 6), 90, "the union published and served")
+    async with Client(gateway["url"], cache=None) as client:
+        await search(client, "is it sunny in Lisbon", 6)
+        result = await client.call_tool("call_tool", {"name": "get_weather", "arguments": {"city": "Lisbon"}})
+        assert not result.is_error
+    capsys.readouterr()
+    assert cli.main(["--compiler", stack.compiler_addr, "learn", "gateway"]) == 0
+    assert "examples added from feedback" in capsys.readouterr().out
+    with grpc.insecure_channel(stack.compiler_addr) as channel:
+        blob = pb_grpc.CompilerServiceStub(channel).GetCatalog(pb.GetCatalogRequest(name="gateway",
+                                                                                    include_blob=True)).blob
+    trie = Trie.from_blob(blob)
+    assert "is it sunny in Lisbon" in trie.meta["examples"][trie.pointer_names.index("get_weather")]
 
 
 @pytest.mark.anyio

@@ -106,7 +106,7 @@ class _Client:
         self.stub = pb_grpc.DecoderServiceStub(self.channel)
         self.timeout = timeout
         self.metadata = bearer(settings.discover_token if token is None else token)
-        self.done = None   # the last answer's timings, once its stream has ended
+        self.accepted = self.done = None   # the last answer's Accepted (its version) and Done, once it has ended
 
 
 class DecoderClient(_Client):
@@ -129,7 +129,7 @@ class DecoderClient(_Client):
             tool = answer.read(event)
             if tool:
                 yield tool
-        self.done = answer.done
+        self.accepted, self.done = answer.accepted, answer.done
 
     def info(self) -> pb.GetInfoResponse:
         return self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)
@@ -159,7 +159,7 @@ class AsyncDecoderClient(_Client):
             tool = answer.read(event)
             if tool:
                 yield tool
-        self.done = answer.done
+        self.accepted, self.done = answer.accepted, answer.done
 
     async def info(self) -> pb.GetInfoResponse:
         return await self.stub.GetInfo(pb.GetInfoRequest(), timeout=self.timeout, metadata=self.metadata)

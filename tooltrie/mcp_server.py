@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -26,6 +28,10 @@ from tooltrie.gateway import Gateway, GatewayError, Upstream
 log = logging.getLogger("tooltrie.mcp")
 INSTRUCTIONS = ("Find tools with search_tools (a request in your own words; the k best tools come back best first, "
                 "each with its input schema); in gateway mode, run one with call_tool.")
+# search_tools leaves out tools below this calibrated confidence (a caller may pass another; 0: always k; chosen in
+# docs/quality.md, "Confidence")
+MIN_CONFIDENCE = 0.1
+SEARCHES_KEPT = 1024   # tools of recent answers remembered, so that calling one sends the search's query as feedback
 
 
 class FoundTool(TypedDict):
@@ -35,32 +41,46 @@ class FoundTool(TypedDict):
     description: str
     input_schema: dict[str, Any] | None   # None when its registry gave none
     retrieval_score: float          # the first stage's fused score (higher is better)
+    confidence: float               # calibrated chance, in [0, 1], that it fits the request (never above the one
+                                    # ranked before it)
 
 
 class SearchResult(TypedDict):
     catalog: str
     version: int                    # the catalog version that answered
     tools: list[FoundTool]
+    cut: int                        # how many of the k fell below min_confidence
 
 
 def _found(tool) -> FoundTool:
     return {"rank": tool.index + 1, "name": tool.name, "description": tool.description,
-            "input_schema": tool.input_schema, "retrieval_score": tool.retrieval_score}
+            "input_schema": tool.input_schema, "retrieval_score": tool.retrieval_score,
+            "confidence": round(tool.confidence, 4)}
 
 
-def build_server(catalog: str, decoder: AsyncDecoderClient, gateway: Gateway | None) -> MCPServer:
-    """The MCP server's two tools over one catalog; call_tool runs tools only with a gateway."""
+def build_server(catalog: str, decoder: AsyncDecoderClient, gateway: Gateway | None,
+                 feedback: Callable[[int, str, str], Awaitable[None]] | None = None) -> MCPServer:
+    """The MCP server's two tools over one catalog; call_tool runs tools only with a gateway, and sends
+    `feedback(version, query, tool)` when the tool it runs was in a search's answer."""
     server = MCPServer("tooltrie", instructions=INSTRUCTIONS)
+    searched: OrderedDict[str, tuple[int, str]] = OrderedDict()   # tool -> (version, query) of its latest answer
 
     @server.tool()
-    async def search_tools(query: str, k: int = 5) -> SearchResult:
-        """Find the k tools that best fit a request, best first, each with its description and full input
-        schema, ready to call."""
+    async def search_tools(query: str, k: int = 5, min_confidence: float = MIN_CONFIDENCE) -> SearchResult:
+        """Find up to k tools that fit a request, best first, each with its description, full input schema and
+        confidence (0 to 1), ready to call. Tools below min_confidence are left out (0: always k)."""
         try:
-            found = [t async for t in decoder.discover(catalog, query, k, include_definitions=True)]
+            found = [t async for t in decoder.discover(catalog, query, k, include_definitions=True,
+                                                       min_confidence=min_confidence)]
         except grpc.aio.AioRpcError as e:
             raise ToolError(f"the decoder refused the search ({e.code().name}): {e.details()}") from None
-        return {"catalog": catalog, "version": found[0].version, "tools": [_found(t) for t in found]}
+        version = found[0].version if found else decoder.accepted.version
+        for t in found:
+            searched[t.name] = (version, query)
+            searched.move_to_end(t.name)
+        while len(searched) > SEARCHES_KEPT:
+            searched.popitem(last=False)
+        return {"catalog": catalog, "version": version, "tools": [_found(t) for t in found], "cut": k - len(found)}
 
     @server.tool()
     async def call_tool(name: str, arguments: dict[str, Any]) -> types.CallToolResult:
@@ -70,16 +90,19 @@ def build_server(catalog: str, decoder: AsyncDecoderClient, gateway: Gateway | N
             raise ToolError("call_tool runs tools only in gateway mode (`tooltrie mcp --upstream FILE`); "
                             "this server searches the catalog: call the tool where it is served")
         try:
-            return await gateway.call(name, arguments)
+            result = await gateway.call(name, arguments)
         except GatewayError as e:
             raise ToolError(str(e)) from None
+        if feedback is not None and name in searched:
+            await feedback(*searched[name], name)
+        return result
 
     return server
 
 
 class CatalogPublisher:
     """Publishes a registry as the next version of one catalog through the compiler's Publish RPC (the latest
-    version again when identical), with the publish token, as `tooltrie publish` does."""
+    version again when identical), with the publish token, as `tooltrie publish` does; sends Feedback for it."""
 
     def __init__(self, compiler_addr: str, catalog: str, token: str, settings: Settings):
         self.catalog = catalog
@@ -93,6 +116,15 @@ class CatalogPublisher:
         except grpc.aio.AioRpcError as e:   # one line, as the CLI says it
             raise RuntimeError(f"{e.code().name}: {e.details()}") from None
         return reply.version.version
+
+    async def feedback(self, version: int, intent: str, tool: str) -> None:
+        """Tell the compiler that `tool` was called for `intent` (what `tooltrie learn` turns into examples); a
+        failure is logged, never the call's."""
+        request = cpb.FeedbackRequest(name=self.catalog, version=version, intent=intent, tools=[tool])
+        try:
+            await self.stub.Feedback(request, timeout=5, metadata=self.metadata)
+        except grpc.aio.AioRpcError as e:
+            log.warning("feedback for %r not kept: %s: %s", tool, e.code().name, e.details())
 
 
 def parse_http_address(address: str) -> tuple[str, int]:
@@ -108,10 +140,11 @@ async def serve(catalog: str, decoder_addr: str, compiler_addr: str, publish_tok
     """Serve MCP until the client goes (stdio) or the process is stopped; the gateway, when there are upstreams,
     runs beside it in the same event loop and ends with it."""
     decoder = AsyncDecoderClient(decoder_addr, settings=settings)
-    gateway = None
+    gateway = publisher = None
     if upstreams:
-        gateway = Gateway(upstreams, CatalogPublisher(compiler_addr, catalog, publish_token, settings))
-    server = build_server(catalog, decoder, gateway)
+        publisher = CatalogPublisher(compiler_addr, catalog, publish_token, settings)
+        gateway = Gateway(upstreams, publisher)
+    server = build_server(catalog, decoder, gateway, publisher.feedback if publisher else None)
     async with anyio.create_task_group() as tg:
         if gateway is not None:
             tg.start_soon(gateway.run)
