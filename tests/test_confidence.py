@@ -8,6 +8,7 @@ import pytest
 from decoder_service.confidence import Calibrator, Logistic, features, fit_logistic
 from decoder_stack import TOOLS, DecoderStack, discover, failure, trie_of
 from shared.rpc import decoder_pb2 as pb
+from tooltrie import cli
 
 K = 4
 INTENT = "what's the weather like in Paris this weekend"
@@ -76,3 +77,13 @@ def test_fit_logistic_recovers_a_known_model():
     fitted = fit_logistic(x, y, l2=1e-4)
     assert np.allclose(fitted.weights, truth.weights, atol=0.2) and abs(fitted.bias - truth.bias) < 0.2
     assert features([2.0, 1.0, 0.5], 1, 0, -0.2) == [1.0, 0.0, 0.0, -0.2]
+
+
+def test_the_cli_prints_each_confidence_and_the_cut(stack, capsys):
+    argv = ["--decoder", stack.addr, "discover", INTENT, "-k", "2", "--catalog", "conf", "--retrieve-only"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1. ") and "(confidence " in out and "left out" not in out
+    assert cli.main(argv + ["--min-confidence", "1"]) == 0
+    assert capsys.readouterr().out.startswith("   2 of the 2 below confidence 1, left out")
+    assert cli.main(argv + ["--min-confidence", "2"]) == 2

@@ -157,15 +157,18 @@ def cmd_discover(args) -> int:
     from tooltrie.client import DecoderClient
     with DecoderClient(args.decoder, timeout=args.timeout) as client:
         answer = client.discover(args.catalog, args.intent, args.k, args.version, args.allow, shortlist=args.shortlist,
-                                 retrieve_only=args.retrieve_only, include_definitions=args.json, decode=args.decode)
+                                 retrieve_only=args.retrieve_only, include_definitions=args.json, decode=args.decode,
+                                 min_confidence=args.min_confidence)
         if args.json:
             _print_answer_json(list(answer), client.done)
             return 0
         for tool in answer:
-            print(f"{tool.index + 1}. {tool.name}  (logprob {tool.logprob:.3f}, "
+            print(f"{tool.index + 1}. {tool.name}  (confidence {tool.confidence:.2f}, logprob {tool.logprob:.3f}, "
                   f"retrieval rank {tool.retrieval_rank + 1}, "
                   f"{tool.catalog} v{tool.version})", flush=True)
         d = client.done
+        if d.cut:
+            print(f"   {d.cut} of the {args.k} below confidence {args.min_confidence:g}, left out")
         if d.stage == "retrieval":
             print(f"   chosen by retrieval in {d.retrieval_ms:.0f} ms (the generator cannot change this answer here; "
                   "--decode runs it anyway)")
@@ -252,6 +255,8 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--shortlist", type=int, default=0, help="tools retrieved into the prompt (0: the server's default)")
     c.add_argument("--retrieve-only", action="store_true", help="the shortlist's first k, no generator")
     c.add_argument("--decode", action="store_true", help="run the generator even where it cannot change the answer")
+    c.add_argument("--min-confidence", type=float, default=0.0,
+                   help="only the tools whose confidence reaches this (0 to 1; default 0: exactly k)")
     c.add_argument("--json", action="store_true",
                    help="print the answer as JSON, each tool with its description and input schema")
     c.set_defaults(run=cmd_discover)
