@@ -14,6 +14,9 @@ import sys
 COMMANDS = {
     "serve": ("serve", "any", "tooltrie against the PyTorch peer on MetaTool and Seal-Tools (the default)"),
     "quality": ("quality", "any", "recall@k and exact-set of the retrievers and of tooltrie's answers"),
+    "calibration": ("calibration", "any", "each name's confidence fitted on the selection split, its calibration "
+                    "on validation"),
+    "feedback": ("feedback", "any", "MetaTool without examples, before and after learning from replayed feedback"),
     "step": ("forward", "GPU", "µs per layer of each kernel kind for R prefill or decode rows after a P-token "
              "prefix; attention variants"),
     "kernel-profile": ("forward", "GPU", "forward steps between cudaProfilerStart/Stop, for Nsight Compute"),
