@@ -14,6 +14,7 @@ from decoder_service.encoder.tuned import TUNED_ENCODER, trained_on, without
 from decoder_service.model.config import ModelError
 from decoder_service.retrieval import tool_texts
 from shared import dataset
+from shared.config import REPO_ROOT as REPO
 from test_encoder import write_tiny_model
 from tune import encoder_data as data
 from tune.encoder_carry import WORDS, pack, unpack
@@ -153,3 +154,25 @@ def test_an_unseen_catalog_is_published_without_examples():
         published = json.loads(dataset.published(tools, []))
         assert [t["name"] for t in published] == [t["name"] for t in tools]
         assert not any(t["examples"] for t in published)
+
+
+def test_the_committed_deltas_are_small_and_left_out_what_they_say():
+    from tune.encoder_merge import read_delta
+
+    deltas = REPO / "tune" / "encoder_deltas" / "all-minilm-l6-v2"
+    files = sorted(deltas.glob("*.safetensors"))
+    assert [f.name for f in files] == ["tuned-without-bigcatalog.safetensors", "tuned-without-metatool.safetensors",
+                                       "tuned-without-toolbench.safetensors", "tuned.safetensors"]
+    card = json.loads((deltas / "card.json").read_text())
+    for f in files:
+        assert f.stat().st_size < 2_000_000
+        tensors, meta = read_delta(f)
+        sets = set(meta["trained_on"].split(","))
+        left_out = f.stem.removeprefix("tuned").removeprefix("-without-")
+        assert sets == set(dataset.SETS) - {left_out}
+        assert meta["base_fingerprint"] == card["base"]["fingerprint"]
+        assert json.loads(meta["recipe"]) == card["trials"][card["chosen"]]["recipe"]
+        assert len(tensors) == 6 * 6 * 2 and all(t.dtype == np.float16 for t in tensors.values())
+    base = REPO / "models" / "all-MiniLM-L6-v2"
+    if (base / "model.safetensors").is_file():
+        assert base_fingerprint(base) == card["base"]["fingerprint"]
