@@ -1,6 +1,6 @@
 """python -m tune.encoder: contrastive fine-tuning of the sentence encoder on request -> tool pairs, as LoRA deltas.
 
-    python -m tune.encoder --base models/all-MiniLM-L6-v2 --out var/tune-encoder [--lr 2e-4,1e-3 --hard 0,1 ...]
+    python -m tune.encoder --base models/all-MiniLM-L6-v2 --out var/tune-encoder    # a GPU: 7 minutes on one H100
 
 Pairs are the training split less the selection split of each data set (tune/encoder_data.py); the loss is
 in-batch negatives (cosine times SCALE, cross-entropy towards the row's own tool; every other gold tool of the row
@@ -11,7 +11,8 @@ split, its catalog without examples (the tool's own text against the whole reque
 quality` measures the service's retriever). The recipe with the best mean is kept: its three leave-one-out deltas
 and a default trained on all the sets are written as `tuned-without-<set>.safetensors` and `tuned.safetensors`
 (fp16 LoRA A and B of every linear layer, with rank, alpha, the base's fingerprint and the sets in the metadata),
-with card.json. Seeded; `make model` merges them with numpy (tune/encoder_merge.py).
+with card.json. Seeded; the defaults are the grid that chose the committed deltas (tune/encoder_deltas/, their
+card.json; docs/quality.md); `make model` merges them with numpy (tune/encoder_merge.py).
 """
 from __future__ import annotations
 
@@ -168,9 +169,9 @@ def parse_args(argv: list[str] | None):
     p.add_argument("--base", type=Path, required=True, help="the base sentence-transformers folder")
     p.add_argument("--out", type=Path, required=True, help="where the deltas and card.json are written")
     p.add_argument("--sets", default=",".join(SETS), help="the data sets (each is left out once)")
-    p.add_argument("--lr", default="1e-3", help="learning rates (comma-separated: a grid)")
-    p.add_argument("--hard", default="0", help="hard negatives a row, 0 or 1 (comma-separated: a grid)")
-    p.add_argument("--per-tool", default="0", help="pairs of one tool an epoch, 0: all (comma-separated: a grid)")
+    p.add_argument("--lr", default="1e-4,3e-4,1e-3", help="learning rates (comma-separated: a grid)")
+    p.add_argument("--hard", default="0,1", help="hard negatives a row, 0 or 1 (comma-separated: a grid)")
+    p.add_argument("--per-tool", default="0,20", help="pairs of one tool an epoch, 0: all (comma-separated: a grid)")
     p.add_argument("--epochs", default="2", help="epochs (comma-separated: a grid)")
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--alpha", type=float, default=32.0)
