@@ -74,7 +74,9 @@ def tiny_cuda_encoder(sim: bool):
     from decoder_service.encoder.cuda import CudaEncoder
     from decoder_service.encoder.weights import load_weights
     from test_encoder import write_tiny_model
-    shape = {} if sim else dict(hidden_size=64, intermediate_size=128)   # the GPU's K segments are 32 wide
+    # the GPU's K segments are 32 wide; under the simulator one layer (what is checked is the device path around the
+    # encoder pass, the encoder's kernels being test_encoder's)
+    shape = dict(num_hidden_layers=1) if sim else dict(hidden_size=64, intermediate_size=128)
     d = write_tiny_model(Path(tempfile.mkdtemp()) / "tiny", **shape)
     cfg = EncoderConfig.from_dir(d)
     return Encoder(d, cfg, CudaEncoder(cfg, load_weights(d, cfg)), "cuda", "tiny", "tiny")
