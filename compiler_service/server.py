@@ -48,8 +48,9 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
 
     def _compile(self, registry_json: str, context):
         """The registry compiled, COMPILES_AT_ONCE at a time (a registry of 100,000 tools takes about 0.5 GB while it
-        compiles): a call that cannot start before its deadline (at most COMPILE_WAIT_S) is refused as Busy."""
-        wait = min(context.time_remaining() or COMPILE_WAIT_S, COMPILE_WAIT_S)
+        compiles): a call that cannot start within half its time left (at most COMPILE_WAIT_S; the other half is
+        for the compile and the answer) is refused as Busy."""
+        wait = min((context.time_remaining() or 2 * COMPILE_WAIT_S) / 2, COMPILE_WAIT_S)
         if not self._compiling.acquire(timeout=max(wait, 0.0)):
             raise Busy(f"the compiler is busy with other registries; retry later (waited {wait:.0f} s)")
         try:

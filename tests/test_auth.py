@@ -73,7 +73,7 @@ def test_a_compile_waits_its_turn_and_is_refused_past_its_deadline(compiler, mon
     request, token = pb.CompileRequest(registry_json=REGISTRY), bearer("pub-token-1")
     first = stub.Compile.future(request, metadata=token)
     time.sleep(0.3)
-    code, details = code_of(lambda: stub.Compile(request, timeout=0.5, metadata=token))
+    code, details = code_of(lambda: stub.Compile(request, timeout=2, metadata=token))
     gate.set()
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "the compiler is busy" in details
     assert first.result(timeout=10).stats.tools == 2

@@ -119,7 +119,8 @@ def test_publishing_a_deleted_name_again_starts_a_fresh_catalog(stack):
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
     wait_until(lambda: s.catalogs.latest.get("again") == 3, 30, "the new catalog served")
     assert discover(s.stub(), catalog="again", intent="weather", k=2)[0].version == 3
-    assert check(s.addr, "tooltrie.catalog.again") == health_pb2.HealthCheckResponse.SERVING
+    wait_until(lambda: check(s.addr, "tooltrie.catalog.again") == health_pb2.HealthCheckResponse.SERVING, 10,
+               "its health SERVING (the follower's next pass)")
 
 
 def test_a_delete_missed_while_disconnected_is_caught_up_on_reconnect(stack):
