@@ -27,8 +27,13 @@ COMMANDS = {
     "engine-phases": ("host", "any", "a concurrency-1 query's steps by engine phase"),
     "host-step": ("host", "any", "the engine's host time between two steps at R decoding rows"),
     "swap": ("host", "any", "the first request after a catalog switch against the steady state"),
+    "admission": ("admission", "any", "a burst of requests: answered in time, refused early or expired, per "
+                  "TOOLTRIE_MAX_SEQS, with and without the deadline check"),
     "new-version": ("version", "any", "a new catalog version's first answer, end to end: redis-server, the compiler "
                     "and the decoder as processes"),
+    "chaos": ("chaos", "any", "issue 53's chaos run: hot swaps, duplicate ids, forged events, Redis restarts and "
+              "SIGTERM under load, outcomes by cause"),
+    "slow-catalog": ("chaos", "any", "a small catalog's first answer while a 100,000-tool one loads"),
     "ptx": ("ptx", "no GPU", "registers, spills and SASS of kernels for sm_90; PTX against another checkout"),
 }
 
