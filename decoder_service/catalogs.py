@@ -305,6 +305,7 @@ class CatalogManager:
                 self._set_stage((name, version), f"{100 * done // total}% of its {total} texts' vectors")
                 if superseded and superseded():
                     raise Superseded(f"{name} v{version}")
+            self._set_stage((name, version), "computing its tool vectors")
             started = time.perf_counter()
             vectors, blob = computed_vectors(trie, self.encoder, progress)
             VECTORS.labels("computed").inc()

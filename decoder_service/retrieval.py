@@ -29,7 +29,9 @@ MAX_PARTS = 8    # the intent and at most 7 of its clauses
 VOTE_WEIGHT = 1.0         # what the nearest requests' whole vote adds to a tool's fused score
 NEIGHBOURS = 10           # the requests nearest the intent that vote
 VOTE_TEMPERATURE = 0.05   # their shares: a softmax of their cosines at this temperature
-VECTOR_SLICE = 2048   # texts a version's vectors are encoded by, so that a load reports progress and can be abandoned
+# Texts a version's vectors are encoded by, per encoder backend: a load reports progress and can be abandoned between
+# slices, and two loads alternate slices (Encoder's turns); on the CPU a slice is a few seconds.
+VECTOR_SLICE = {"cpu": 256, "cuda": 2048}
 VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its requests' mean; 3 and the requests'
                      # own vectors
 # where an intent splits into clauses; each alternative starts at a space or a comma, so the lookahead turns every
@@ -141,16 +143,16 @@ def written_request(description: str, template: str = "I need to {d}") -> str:
 
 def tool_vectors(trie: Trie, encoder, progress=None) -> Vectors:
     """Each tool's unit vector, its text's plus the mean of its requests' (tool_requests), normalised; and the
-    requests' own vectors. progress(done, total) is called after each VECTOR_SLICE texts (a text's vector is the
-    same in any batch), and may raise to abandon the work."""
+    requests' own vectors. progress(done, total) is called after each slice of VECTOR_SLICE texts (a text's vector
+    is the same in any batch), and may raise to abandon the work."""
     n = len(trie.pointer_names)
     texts, owner = tool_requests(trie)
     texts = tool_texts(trie) + texts
-    parts = []
-    for at in range(0, len(texts), VECTOR_SLICE):
-        parts.append(encoder.encode(texts[at:at + VECTOR_SLICE]))
+    parts, size = [], VECTOR_SLICE.get(encoder.backend_name, VECTOR_SLICE["cuda"])
+    for at in range(0, len(texts), size):
+        parts.append(encoder.encode(texts[at:at + size]))
         if progress is not None:
-            progress(min(at + VECTOR_SLICE, len(texts)), len(texts))
+            progress(min(at + size, len(texts)), len(texts))
     encoded = np.concatenate(parts).astype(np.float64)
     sums = np.zeros((n, encoded.shape[1]))
     np.add.at(sums, owner, encoded[n:])

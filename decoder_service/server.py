@@ -24,8 +24,8 @@ from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
 from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
-from shared.serving import (RPC_TOTAL, AddressInUse, Credentials, Guard, Rule, client_message, make_server,
-                            server_credentials, set_serving, setup_logging, start_metrics, status_for,
+from shared.serving import (DRAIN_MARGIN, RPC_TOTAL, AddressInUse, Credentials, Guard, Rule, client_message,
+                            make_server, server_credentials, set_serving, setup_logging, start_metrics, status_for,
                             wait_for_termination)
 from shared.store import CatalogStore
 
@@ -319,7 +319,7 @@ def serve(settings: Settings | None = None) -> None:
         servicer.draining = True
         catalogs.stop()
     wait_for_termination(server, health, [SERVICE], grace=settings.drain_seconds, before_stop=before_stop,
-                         at_drain_end=engine.stop)
+                         at_drain_end=lambda: engine.stop(timeout=DRAIN_MARGIN / 2))
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_a_slow_catalog_holds_no_other_back(tmp_path, small_tokenizer_dir, redis
     """Before: catalogs loaded one by one at start and the decoder was NOT_SERVING until all were; a small
     catalog behind a huge one answered "no catalog named" the whole time. Now each loads on its own, the huge
     one says how far it is, and a newer version of it supersedes the load in progress at its next slice."""
-    monkeypatch.setattr(retrieval, "VECTOR_SLICE", 8)
+    monkeypatch.setitem(retrieval.VECTOR_SLICE, "cpu", 8)
     encoder = GatedEncoder()
     s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, encoder=encoder)
     huge = [{"name": f"huge_{i}", "description": f"huge tool {i}"} for i in range(40)]
@@ -306,3 +306,30 @@ def test_the_decoders_acl_user_of_the_deploy_docs_reads_stores_vectors_and_canno
     with pytest.raises(redis.exceptions.NoPermissionError):
         decoder.publish("acl", trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:6]))
     admin.r.execute_command("ACL", "DELUSER", "tooltrie-decoder")
+
+
+def test_a_stop_during_a_long_step_tells_every_caller_at_once(tmp_path, small_tokenizer_dir):
+    """Before: stop() joined the engine thread without a bound, and on the CPU a step of 2,048 prompt tokens takes
+    seconds: SIGTERM ended only by the exit watchdog. Now the callers get "unavailable" within the timeout."""
+    from decoder_service.engine.sequence import FailedEvent
+    from engine_fixtures import make_engine, metatool_trie, tiny_backend
+    tok = ModelTokenizer(small_tokenizer_dir)
+    backend = tiny_backend(tmp_path, tok.tokenizer.get_vocab_size(), 256)
+    engine = make_engine(backend, tok, 256)
+    engine.start()
+    rt = engine.load_catalog(metatool_trie(tok, 20))
+    assert rt.ready.wait(60)
+    forward, in_step = backend.forward, threading.Event()
+
+    def long_step(*a, **kw):
+        in_step.set()
+        time.sleep(3.0)
+        return forward(*a, **kw)
+    backend.forward = long_step
+    seqs = [engine.submit(rt, f"weather {i}", 2) for i in range(3)]
+    assert in_step.wait(10)
+    started = time.monotonic()
+    engine.stop(timeout=0.2)
+    events = [next(iter(seq)) for seq in seqs]
+    assert time.monotonic() - started < 1.0
+    assert all(isinstance(e, FailedEvent) and e.kind == "unavailable" for e in events), events

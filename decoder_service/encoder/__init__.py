@@ -10,6 +10,7 @@ from decoder_service.model.backend import resolve_backend
 from .batcher import Batcher
 from .config import EncoderConfig
 from .tokenizer import WordPieces, load_tokenizer
+from .turns import Turns
 from .weights import digest, load_weights
 
 # Calls of up to this many texts (a request's intent and its clauses) share one encoder call with those that arrive
@@ -33,6 +34,7 @@ class Encoder:
         self.tokenizer = load_tokenizer(model_dir, cfg.max_seq_length)
         self._ids = WordPieces(self.tokenizer, cfg.max_seq_length)
         self._batcher = Batcher(backend)
+        self._turns = Turns()   # larger calls (versions' vectors, a slice each) one at a time, first come first served
 
     @property
     def dim(self) -> int:
@@ -47,7 +49,10 @@ class Encoder:
         if not texts:
             return np.zeros((0, self.dim), np.float32)
         ids = self.token_ids(texts)
-        return self._batcher(ids) if len(ids) <= BATCHED_TEXTS else self.backend.embed(ids)
+        if len(ids) <= BATCHED_TEXTS:
+            return self._batcher(ids)
+        with self._turns:   # two versions loading alternate slices instead of sharing the cores
+            return self.backend.embed(ids)
 
 
 def load_encoder(model_dir: str | Path, backend: str = "auto", **options) -> Encoder:

@@ -107,6 +107,7 @@ class DecodeEngine:
         self._thread: threading.Thread | None = None
         self._running = False
         self._stopped = False
+        self._live: set[Sequence] = set()   # requests submitted and not finished (under _wake): stop() ends them
         self.sampler = make_sampler(backend, config.head, config.finish_forced)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
@@ -215,6 +216,7 @@ class DecodeEngine:
                 raise QueueFull(f"the decoder is busy: a request queued now would finish in about {expected:.1f} s, "
                                 f"after its deadline ({timeout:.1f} s)")
             self._inbox.append(("submit", seq))
+            self._live.add(seq)
             self._wake.notify()
         return seq
 
@@ -417,6 +419,12 @@ class DecodeEngine:
 
     def _fail(self, seq: Sequence, event: FailedEvent) -> None:
         self.scheduler.release(seq)
+        self._finish(seq, event)
+
+    def _finish(self, seq: Sequence, event) -> None:
+        """The request's last event, once its blocks are back; it is no longer live."""
+        with self._wake:
+            self._live.discard(seq)
         seq.finish(event)
 
     def _advance(self, seq: Sequence, pick: Pick) -> None:
@@ -491,7 +499,7 @@ class DecodeEngine:
         served = now - seq.t_admit
         self.service_seconds += SERVICE_SMOOTHING * (served - self.service_seconds) if self.service_seconds else served
         self.scheduler.release(seq)
-        seq.finish(DoneEvent(prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated),
+        self._finish(seq, DoneEvent(prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated),
                              queue_ms=(seq.t_admit - seq.t_submit) * 1e3,
                              prefill_ms=(seq.t_first_decode - seq.t_admit) * 1e3,
                              decode_ms=(now - seq.t_first_decode) * 1e3))
@@ -503,22 +511,30 @@ class DecodeEngine:
         self._thread = threading.Thread(target=self._loop, name="tooltrie-engine", daemon=True)
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """End the loop after its step, then fail every request it still holds (running, waiting or not yet
         taken) with "unavailable", so that no caller waits for a step that will never come; later submits
-        raise Stopped."""
+        raise Stopped. A step still running after `timeout` seconds (a long prefill on the CPU) is left to
+        end on its own: its requests' callers are told at once, and the step's results are never read."""
         with self._wake:
             self._running, self._stopped = False, True
             self._wake.notify()
         if self._thread:
-            self._thread.join()
+            self._thread.join(timeout)
+        stopped = FailedEvent("unavailable", "the decoder is shutting down")
+        if self._thread and self._thread.is_alive():
+            with self._wake:
+                live, self._live = self._live, set()
+            for seq in live:
+                seq.events.put(stopped)   # the engine thread, still in its step, owns the rest of the Sequence
+            return
         with self._wake:
             left = [item for kind, item in self._inbox if kind == "submit"]
             self._inbox.clear()
         self._ahead = None
         for seq in [*self.scheduler.running, *self.scheduler.waiting, *left]:
             if seq.state != State.FINISHED:
-                self._fail(seq, FailedEvent("unavailable", "the decoder is shutting down"))
+                self._fail(seq, stopped)
 
     def _loop(self) -> None:
         while self._running:
