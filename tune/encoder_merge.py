@@ -1,7 +1,7 @@
 """Merge an encoder delta (tune/encoder.py) into the base sentence encoder with numpy alone (`make model`, no torch).
 
-    python -m tune.encoder_merge --base models/all-MiniLM-L6-v2 --delta tune/encoder_deltas/minilm/tuned.safetensors \
-        --out models/all-MiniLM-L6-v2-tuned
+    python -m tune.encoder_merge --base models/all-MiniLM-L6-v2 \
+        --delta tune/encoder_deltas/all-minilm-l6-v2/tuned.safetensors --out models/all-MiniLM-L6-v2-tuned
 
 The output is the base folder with W + alpha / rank * B @ A in every adapted linear layer (float32, as the base),
 and tune_encoder.json (the data sets the delta was trained on, its recipe and digest): a folder the encoder runtime
