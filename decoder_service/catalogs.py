@@ -41,6 +41,9 @@ VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool v
                         ["source"])
 
 
+SMALLER_FIRST_S = 10.0   # the longest one slice of a version's vectors waits for a smaller version's load
+
+
 class CatalogRefused(Exception):
     """The catalog's wanted version cannot be served here (FAILED_PRECONDITION): another tokenizer,
     a prompt prefix longer than the model's context, or a stored blob that failed verification."""
@@ -101,6 +104,8 @@ class CatalogManager:
         self.active: Counter = Counter()
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
+        self._tools: dict[tuple[str, int], int] = {}   # a loading version's tools, once its blob is read
+        self._load_ended = threading.Condition(self._lock)
         self._stage: dict[tuple[str, int], str] = {}   # how far a version's load is, for a caller who asks for it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -193,6 +198,7 @@ class CatalogManager:
         try:
             self._lease_now(name, version)
             self._set_stage(key, "fetching its blob")
+            self._after_smaller_loads(key, self._tools_of(name, version))
             trie = self._fetch_verified(name, version)
             if superseded and superseded():
                 raise Superseded(f"{name} v{version}")
@@ -220,6 +226,27 @@ class CatalogManager:
             with self._lock:
                 self._loading.pop(key).set()
                 self._stage.pop(key, None)
+                self._tools.pop(key, None)
+                self._load_ended.notify_all()
+
+    def _tools_of(self, name: str, version: int) -> int:
+        """A version's tool count as its info record says (0 where that cannot be read: the blob's check decides)."""
+        try:
+            return int(self.store.info(name, version).stats.get("tools", 0))
+        except (NotFound, redis.ConnectionError, redis.TimeoutError, ValueError, TypeError):
+            return 0
+
+    def _after_smaller_loads(self, key: tuple[str, int], tools: int | None = None) -> None:
+        """Wait (up to SMALLER_FIRST_S) while a version with fewer tools is loading (tools: this one's, recorded
+        first): a catalog of a few tools is served in seconds instead of sharing the two cores and the GIL with a
+        huge one's checks and vectors for as long as those take."""
+        def smaller_loading() -> bool:
+            mine = self._tools.get(key, 0)
+            return any(n < mine for other, n in self._tools.items() if other != key)
+        with self._lock:
+            if tools is not None:
+                self._tools[key] = tools
+            self._load_ended.wait_for(lambda: not smaller_loading() or self._stop.is_set(), SMALLER_FIRST_S)
 
     def _set_stage(self, key: tuple[str, int], stage: str) -> None:
         with self._lock:
@@ -305,6 +332,7 @@ class CatalogManager:
                 self._set_stage((name, version), f"{100 * done // total}% of its {total} texts' vectors")
                 if superseded and superseded():
                     raise Superseded(f"{name} v{version}")
+                self._after_smaller_loads((name, version))
             self._set_stage((name, version), "computing its tool vectors")
             started = time.perf_counter()
             vectors, blob = computed_vectors(trie, self.encoder, progress)
@@ -391,9 +419,10 @@ class CatalogManager:
     def reconcile(self) -> None:
         """Bring every catalog's default in line with the store's latest pointer (after a start or an
         outage, so an announcement missed while disconnected is not lost, a deletion included). Each catalog
-        loads on its own worker (announce): a slow one holds no other back."""
+        loads on its own worker (announce), the smallest first: a slow one holds no other back."""
         with self._lock:
             known = set(self.latest) | set(self.wanted)
+        stale = []
         for name in sorted(set(self.names or self.store.catalog_names()) | known):
             try:
                 version = self.store.latest_version(name)
@@ -407,7 +436,9 @@ class CatalogManager:
                 log.error("catalog %s: its latest pointer is damaged (%s)", name, e)
                 continue
             if self.latest.get(name) != version:
-                self.announce(name, version)
+                stale.append((self._tools_of(name, version), name, version))
+        for _, name, version in sorted(stale):
+            self.announce(name, version)
 
     # --- the subscriber ------------------------------------------------------------------------
     def start(self) -> None:

@@ -31,7 +31,7 @@ NEIGHBOURS = 10           # the requests nearest the intent that vote
 VOTE_TEMPERATURE = 0.05   # their shares: a softmax of their cosines at this temperature
 # Texts a version's vectors are encoded by, per encoder backend: a load reports progress and can be abandoned between
 # slices, and two loads alternate slices (Encoder's turns); on the CPU a slice is a few seconds.
-VECTOR_SLICE = {"cpu": 256, "cuda": 2048}
+VECTOR_SLICE = {"cpu": 64, "cuda": 2048}
 VECTORS_RECIPE = 3   # tool_vectors' recipe: 1 the text alone; 2 with its requests' mean; 3 and the requests'
                      # own vectors
 # where an intent splits into clauses; each alternative starts at a space or a comma, so the lookahead turns every
