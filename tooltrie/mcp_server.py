@@ -30,7 +30,7 @@ INSTRUCTIONS = ("Find tools with search_tools (a request in your own words; the 
                 "each with its input schema); in gateway mode, run one with call_tool.")
 # search_tools leaves out tools below this calibrated confidence (a caller may pass another; 0: always k; chosen in
 # docs/quality.md, "Confidence")
-MIN_CONFIDENCE = 0.1
+MIN_CONFIDENCE = 0.2
 SEARCHES_KEPT = 1024   # tools of recent answers remembered, so that calling one sends the search's query as feedback
 
 
