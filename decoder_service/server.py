@@ -213,7 +213,7 @@ def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
         TOKENS_FORCED.set(engine.tokens_forced)
 
 
-MAX_SEQS = {"cuda": 64, "cpu": 4}   # TOOLTRIE_MAX_SEQS=0: sequences decoded at once, measured per backend (A1)
+MAX_SEQS = {"cuda": 64, "cpu": 2}   # TOOLTRIE_MAX_SEQS=0: sequences decoded at once, measured per backend (A1)
 MAX_REQUEST_ID_CHARS = 128
 MAX_ALLOW = 10_000
 HEALTH_PREFIX = "tooltrie.catalog."   # per-catalog health service names: tooltrie.catalog.<name>

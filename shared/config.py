@@ -41,7 +41,7 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_CATALOGS": ("", "comma-separated catalogs the decoder serves; empty means every published one"),
     "TOOLTRIE_KV_TOKENS": ("65536", "decoder KV pool size in token positions"),
     "TOOLTRIE_MAX_SEQS": ("0", "decoder: sequences decoded at once; 0: the backend's measured default (64 on a "
-                          "GPU, 4 on the CPU: docs/performance.md, A1)"),
+                          "GPU, 2 on the CPU: docs/performance.md, A1)"),
     "TOOLTRIE_MAX_WAITING": ("256", "decoder: bounded request queue; past it RESOURCE_EXHAUSTED"),
     # --- security and reliability (docs/deploy.md, "Security") ---
     "TOOLTRIE_METRICS_HOST": ("127.0.0.1", "address the Prometheus metrics listen on (0.0.0.0: every interface)"),
