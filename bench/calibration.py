@@ -23,7 +23,7 @@ from bench.common import device_label
 from bench.quality import Harness, sample
 from compiler_service.compiler import compile_catalog
 from decoder_service.confidence import CALIBRATION_FILE, FEATURES, STAGES, Calibrator, features, fit_logistic
-from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors
+from decoder_service.retrieval import SHORTLIST
 from shared import dataset
 from shared.catalog import parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings
@@ -39,12 +39,7 @@ def answered(harness: Harness, name: str, splits: dict[str, list]) -> dict[str, 
     held = frozenset(q.text for q in splits.get("selection", []))
     trie = compile_catalog(parse_registry(dataset.registry(name, held)), harness.tok)
     trie.meta.update(name=name, version=1)
-    vectors, _ = computed_vectors(trie, harness.encoder)
-    retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, harness.encoder,
-                          harness.dense_weight, harness.vote_weight)
-    engine = harness.engine(None)
-    rt = engine.load_catalog(trie, retriever)
-    engine.run_until_idle()
+    retriever, engine, rt = harness.served(trie)
     out = {}
     for split, queries in splits.items():
         rows = out[split] = []

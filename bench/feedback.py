@@ -23,7 +23,7 @@ import grpc
 from bench.common import device_label
 from bench.quality import Harness, groups, sample, score
 from compiler_service.server import SERVICE, CompilerServicer, guard
-from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors
+from decoder_service.retrieval import SHORTLIST
 from devstack.redis_server import LocalRedis, free_port
 from shared import dataset
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings
@@ -36,12 +36,7 @@ from shared.trie import Trie
 
 def answer(harness: Harness, trie: Trie, queries: list) -> dict:
     """The fused retriever's and tooltrie's rows (all, and per k) on one version's blob."""
-    vectors, _ = computed_vectors(trie, harness.encoder)
-    retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, harness.encoder,
-                          harness.dense_weight, harness.vote_weight)
-    engine = harness.engine(None)
-    rt = engine.load_catalog(trie, retriever)
-    engine.run_until_idle()
+    retriever, engine, rt = harness.served(trie)
     shortlists = [retriever.shortlist(q.text, max(SHORTLIST, len(q.tools))) for q in queries]
     names = trie.pointer_names
     answers = {"fused": [[names[i] for i in s.ids[:len(q.tools)]] for q, s in zip(queries, shortlists)],

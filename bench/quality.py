@@ -91,6 +91,17 @@ class Harness:
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
                             self.cfg.max_position_embeddings, config, self.tuned_tools)
 
+    def served(self, trie) -> tuple[Retriever, DecodeEngine, object]:
+        """(retriever, engine, runtime): one version as the service serves it: its vectors computed now, the
+        engine at the service's fusion settings, its prefix warm."""
+        vectors, _ = computed_vectors(trie, self.encoder)
+        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, self.encoder, self.dense_weight,
+                              self.vote_weight)
+        engine = self.engine(None)
+        rt = engine.load_catalog(trie, retriever)
+        engine.run_until_idle()
+        return retriever, engine, rt
+
     @staticmethod
     def answers(seqs: list) -> list[list[str]]:
         """Each finished request's names, checked to be k distinct ones."""
