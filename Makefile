@@ -116,7 +116,7 @@ bench: setup model $(BENCH_STAMP)
 	$(PY) -m bench
 
 bench-compiler: setup model
-	$(PY) -m compiler_service.bench --model $(MODEL_DIR) --out bench/results/compiler.json
+	$(PY) -m bench compiler --model $(MODEL_DIR) --out bench/results/compiler.json
 
 # Byte-compiles every package, then ruff as configured in pyproject.toml ([tool.ruff]).
 lint: setup $(TEST_STAMP)

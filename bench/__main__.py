@@ -27,6 +27,10 @@ COMMANDS = {
     "engine-phases": ("host", "any", "a concurrency-1 query's steps by engine phase"),
     "host-step": ("host", "any", "the engine's host time between two steps at R decoding rows"),
     "swap": ("host", "any", "the first request after a catalog switch against the steady state"),
+    "compiler": ("compiler", "any", "compile and publish MetaTool, Seal-Tools, StableToolBench and 100,000 generated "
+                 "tools: times, blob sizes, peak memory"),
+    "encoder": ("encoder", "any", "the sentence encoder against float64, then one query, parts, batches, clients, a "
+                "catalog, and requests beside it"),
     "admission": ("admission", "any", "a burst of requests: answered in time, refused early or expired, per "
                   "TOOLTRIE_MAX_SEQS, with and without the deadline check"),
     "new-version": ("version", "any", "a new catalog version's first answer, end to end: redis-server, the compiler "

@@ -139,7 +139,7 @@ def device_steps(retriever, queries, size: int, repeat: int = 20, samples: int =
     """µs of each of a device retrieval's steps in stream order (the intent's encoder pass, k_moments, then the
     scorer's launches), each repeated in one captured graph on the inputs that the query's own shortlist left on the
     device (so it runs as it does there, less the gaps between steps), the median over the queries."""
-    from decoder_service.encoder.bench import graph_seconds
+    from bench.encoder import graph_seconds
     scorer, backend = retriever.device, retriever.encoder.backend
     steps: dict[str, list[float]] = {}
     for q in queries:

@@ -523,7 +523,7 @@ def _launch_rows(enc, cfg, seqs, alone) -> dict:
     """The encoder bench's launch-by-launch rows of two requests: every launch of a pass named once per layer
     (2 + 7 a layer), each request's rows under its own pass in the bench's JSON, and the first request's vector
     unchanged by the launches replayed on its staged inputs."""
-    from decoder_service.encoder.bench import launch_rows, timings
+    from bench.encoder import launch_rows, timings
     rows = launch_rows(enc, [[seqs[2]], seqs[2:4]], repeat=1, samples=1)
     first = rows[:len(rows) // 2]
     counts = {name.strip(): int(note.split()[0]) for name, _, note in first[1:]}

@@ -1,7 +1,8 @@
 """Compiler benchmark: compile and publish MetaTool, Seal-Tools and a generated 100,000-tool catalog.
 
-`make bench-compiler` writes bench/results/compiler.json. Each catalog is compiled in a fresh
-process so its peak resident memory (ru_maxrss) is its own; publishing goes to a real redis-server.
+`make bench-compiler` (`python -m bench compiler --model DIR`) writes bench/results/compiler.json. Each catalog is
+compiled in a fresh process so its peak resident memory (ru_maxrss) is its own; publishing goes to a real
+redis-server.
 """
 from __future__ import annotations
 
@@ -58,12 +59,13 @@ def compile_one(registry: Path, model: Path, redis_url: str, name: str) -> dict:
             "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def compiler_arguments(p) -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--out", default="bench/results/compiler.json")
     p.add_argument("--one", nargs=3, metavar=("REGISTRY", "REDIS_URL", "NAME"), help=argparse.SUPPRESS)
-    args = p.parse_args()
+
+
+def compiler(args) -> None:
     if args.one:
         print(json.dumps(compile_one(Path(args.one[0]), Path(args.model), args.one[1], args.one[2])))
         return
@@ -77,7 +79,7 @@ def main() -> None:
     results = []
     with LocalRedis(work / "redis", appendonly=False) as redis_server:
         for name, path in catalogs.items():
-            out = subprocess.run([sys.executable, "-m", "compiler_service.bench", "--model", args.model,
+            out = subprocess.run([sys.executable, "-m", "bench", "compiler", "--model", args.model,
                                   "--one", str(path), redis_server.url, name],
                                  check=True, capture_output=True, text=True).stdout
             results.append(json.loads(out.strip().splitlines()[-1]))
@@ -89,6 +91,3 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({"results": results}, indent=2) + "\n")
     print(f"wrote {args.out}")
 
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,7 @@
 """Check the encoder against the float64 reference, then time it: one query, a request's parts, 64 queries, requests
 from several threads, a tool catalog, and requests beside a tool catalog.
 
-    python -m decoder_service.encoder.bench --backend cuda --model models/all-MiniLM-L6-v2 \
+    python -m bench encoder --backend cuda --model models/all-MiniLM-L6-v2 \
         --texts ../shared/data/bigcatalog/catalog.json --queries ../shared/data/bigcatalog/dev_queries.jsonl
 
 The check runs first (fresh random token sequences of 2..max_seq_length tokens, against the reference
@@ -17,7 +17,6 @@ table is printed last.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import threading
 import time
@@ -26,9 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
-from . import load_encoder
-from .reference import ReferenceEncoder
-from .weights import load_weights
+from decoder_service.encoder import load_encoder
+from decoder_service.encoder.reference import ReferenceEncoder
+from decoder_service.encoder.weights import load_weights
 
 
 def read_texts(path: Path) -> list[str]:
@@ -175,8 +174,7 @@ def check(enc, model_dir: Path, n: int, seed: int) -> dict:
             "alone_equals_batch": bool(np.array_equal(alone, out[:8]))}
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def encoder_arguments(p) -> None:
     p.add_argument("--model", type=Path, default=Path("models/all-MiniLM-L6-v2"))
     p.add_argument("--backend", default="auto")
     p.add_argument("--texts", type=Path, required=True, help="catalog.json (tools) to encode at once")
@@ -184,8 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--check", type=int, default=32, help="random texts checked against the reference")
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--clients", type=int, default=8, help="threads that send the first 100 requests at once")
-    args = p.parse_args(argv)
 
+
+def encoder(args) -> None:
     t = time.perf_counter()
     enc = load_encoder(args.model, args.backend)
     enc.encode(["warm up"])
@@ -219,6 +218,3 @@ def main(argv: list[str] | None = None) -> None:
     for name, s, note in rows:
         print(f"{name:<42} {s * 1e3:>9.3f} ms  {note}")
 
-
-if __name__ == "__main__":
-    main()
