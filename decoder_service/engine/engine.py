@@ -412,10 +412,11 @@ class DecodeEngine:
                 self._fail(seq, FailedEvent("deadline", "the request's deadline passed"))
             elif seq.cancelled:
                 self._fail(seq, FailedEvent("cancelled", "the request was cancelled"))
-            elif seq.state == State.WAITING and seq.deadline is not None and not seq.warmup and \
-                    now + self.expected_seconds(ahead) > seq.deadline:
-                self._fail(seq, FailedEvent("busy", f"the decoder is busy: the request would finish in about "
-                                                    f"{self.expected_seconds(ahead):.1f} s, after its deadline"))
+            elif seq.state == State.WAITING and seq.deadline is not None and not seq.warmup:
+                expected = self.expected_seconds(ahead)
+                if now + expected > seq.deadline:
+                    self._fail(seq, FailedEvent("busy", f"the decoder is busy: the request would finish in about "
+                                                        f"{expected:.1f} s, after its deadline"))
 
     def _fail(self, seq: Sequence, event: FailedEvent) -> None:
         self.scheduler.release(seq)
@@ -497,12 +498,13 @@ class DecodeEngine:
             return
         now = time.monotonic()
         served = now - seq.t_admit
-        self.service_seconds += SERVICE_SMOOTHING * (served - self.service_seconds) if self.service_seconds else served
+        self.service_seconds = self.service_seconds + SERVICE_SMOOTHING * (served - self.service_seconds) \
+            if self.service_seconds else served
         self.scheduler.release(seq)
         self._finish(seq, DoneEvent(prompt_tokens=len(seq.prompt_ids), generated_tokens=len(seq.generated),
-                             queue_ms=(seq.t_admit - seq.t_submit) * 1e3,
-                             prefill_ms=(seq.t_first_decode - seq.t_admit) * 1e3,
-                             decode_ms=(now - seq.t_first_decode) * 1e3))
+                                    queue_ms=(seq.t_admit - seq.t_submit) * 1e3,
+                                    prefill_ms=(seq.t_first_decode - seq.t_admit) * 1e3,
+                                    decode_ms=(now - seq.t_first_decode) * 1e3))
 
     # --- threading -----------------------------------------------------------------------------
     def start(self) -> None:
