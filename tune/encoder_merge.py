@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 from decoder_service.encoder.tuned import TUNED_ENCODER
-from tune.merge import base_fingerprint, file_sha256, merged_tensors
+from tune.merge import base_fingerprint, file_sha256, merged_tensors, whole_folder
 
 
 def read_delta(path: Path) -> tuple[dict, dict[str, str]]:
@@ -39,20 +38,14 @@ def merge_encoder(base_dir: Path, delta: Path, out: Path) -> None:
                          f"{meta.get('base_fingerprint')}")
     merged = merged_tensors(load_file(str(base_dir / "model.safetensors")), tensors,
                             float(meta["alpha"]) / int(meta["rank"]))
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    try:
-        shutil.copytree(base_dir, partial, ignore=shutil.ignore_patterns("model.safetensors", TUNED_ENCODER))
+    with whole_folder(out) as partial:
+        shutil.copytree(base_dir, partial, ignore=shutil.ignore_patterns("model.safetensors", TUNED_ENCODER),
+                        dirs_exist_ok=True)
         save_file(merged, str(partial / "model.safetensors"), metadata={"format": "pt"})
         (partial / TUNED_ENCODER).write_text(json.dumps({
             "base": base_dir.resolve().name, "trained_on": sorted(filter(None, meta["trained_on"].split(","))),
             "delta": delta.name, "delta_sha256": file_sha256(delta), "recipe": json.loads(meta["recipe"])},
             indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(partial, out)
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -66,10 +67,7 @@ def merge(base_dir: Path, adapter_dir: Path, out: Path) -> None:
     for name in config["files"]:
         adapters.update(load_file(str(adapter_dir / name)))
     tensors = merged_tensors(load_file(str(base_file)), adapters, config["alpha"] / config["rank"])
-    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    with whole_folder(out) as partial:
         save_file(tensors, str(partial / "model.safetensors"), metadata={"format": "pt"})
         for name in COPIED:
             if (base_dir / name).is_file():
@@ -79,6 +77,17 @@ def merge(base_dir: Path, adapter_dir: Path, out: Path) -> None:
             shutil.copy(adapter_dir / TUNED_TOOLS, partial / TUNED_TOOLS)
         for path in partial.iterdir():
             path.chmod(0o644)
+
+
+@contextlib.contextmanager
+def whole_folder(out: Path):
+    """A fresh folder to fill that becomes `out` only when the block ends without an error: `out` appears whole or
+    not at all (a merge cut short leaves the previous one, or nothing)."""
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    try:
+        yield partial
         if out.exists():
             shutil.rmtree(out)
         os.replace(partial, out)
