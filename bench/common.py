@@ -166,7 +166,7 @@ def relaunch(lz, kernel=None, block: int | None = None, shmem: int | None = None
     """A backend's Launch packed again (its stream and name) on `kernel`, with `block` threads and `shmem` bytes
     of dynamic shared memory where given, the arguments named in `changed` set (k_gemv's pf, k_attn_rows'
     maxs, ...)."""
-    from decoder_service.model.cuda.launcher import Launch
+    from decoder_service.gpu.launcher import Launch
     args = dict(zip(lz.kernel.params, lz.args))
     unknown = changed.keys() - args.keys()
     if unknown:
@@ -180,13 +180,13 @@ class Timer:
     """Median CUDA-event time of a graph captured on a CudaBackend's stream."""
 
     def __init__(self, be):
-        from decoder_service.model.cuda.launcher import new_event
+        from decoder_service.gpu.launcher import new_event
         self.be = be
         self.e0, self.e1 = new_event(True), new_event(True)
 
     def graph_ms(self, fn, reps=15):
         """Median ms of one replay of the graph captured from fn (after two warm-up replays), and its nodes."""
-        from decoder_service.model.cuda.launcher import event_ms
+        from decoder_service.gpu.launcher import event_ms
         g = self.be.capture(fn)
         for _ in range(2):
             g.replay()
@@ -206,7 +206,7 @@ def copy_bandwidth(nbytes=2 << 30):
     from cuda.bindings import driver as drv
     from numba import cuda
 
-    from decoder_service.model.cuda.launcher import check, dptr, event_ms, new_event
+    from decoder_service.gpu.launcher import check, dptr, event_ms, new_event
     a = cuda.device_array(nbytes // 4, np.float32)
     b = cuda.device_array(nbytes // 4, np.float32)
     s = cuda.stream()

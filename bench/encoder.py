@@ -69,7 +69,7 @@ def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, floa
 
 def graph_seconds(stream, enqueue, repeat: int, samples: int) -> float:
     """Seconds of one enqueue() as a captured graph of `repeat` of them runs it (the median of `samples` replays)."""
-    from decoder_service.model.cuda.launcher import Graph
+    from decoder_service.gpu.launcher import Graph
     g = Graph(stream, lambda: [enqueue() for _ in range(repeat)])
     return median_s(lambda: (g.replay(), stream.synchronize()), samples) / repeat
 

@@ -89,10 +89,9 @@ def attention_launches(be, regs: int = 0) -> list:
     from numba import cuda
 
     from decoder_service.model.cuda import kernels
-    from decoder_service.model.cuda.launcher import Kernel
     name = be.layers[0]["attn_tiles"].kernel.name     # k_attn_mma (bf16) or k_attn_tiles
     kern = be.kernels[name] if not regs else \
-        Kernel(name, be.storage, dispatcher=cuda.jit(max_registers=regs)(kernels.KERNELS[name].py_func))
+        kernels.model_kernel(name, be.storage, cuda.jit(max_registers=regs)(kernels.KERNELS[name].py_func))
     return relaunched(be, "attn_tiles", kern)
 
 

@@ -45,7 +45,7 @@ def time_model(name: str, long: bool = True) -> dict:
     from numba import cuda
 
     from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.cuda.launcher import check, dptr
+    from decoder_service.gpu.launcher import check, dptr
 
     cfg = shape_config(name)
     w = random_weights(cfg, seed=11)
@@ -195,7 +195,7 @@ def time_model(name: str, long: bool = True) -> dict:
 def long_context(be, cfg, tm, flush, t_flush, rng, n_prompt=1023):
     """A 1023-token prompt prefilled in chunks of 256 rows, then attention and a decode at ctx 1024 (its
     logits against float64: tests/test_gpu_model.py)."""
-    from decoder_service.model.cuda.launcher import event_ms, new_event
+    from decoder_service.gpu.launcher import event_ms, new_event
     out = {}
     V = cfg.vocab_size
     slot_tab = np.full((1, 64), -1, np.int32)
@@ -239,9 +239,8 @@ def cache_probe(storage="bfloat16"):
     """A fresh process builds the kernels: with numba's disk cache they load, not compile."""
     code = (
         "import time\n"
-        "from decoder_service.model.cuda.launcher import Kernel\n"
-        "from decoder_service.model.cuda.kernels import KERNELS\n"
-        "t=time.time(); ks=[Kernel(n, %r) for n in KERNELS]\n"
+        "from decoder_service.model.cuda.kernels import KERNELS, model_kernel\n"
+        "t=time.time(); ks=[model_kernel(n, %r) for n in KERNELS]\n"
         "print('CACHE', time.time()-t, [k.cache_hit for k in ks])\n") % storage
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})

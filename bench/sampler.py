@@ -188,7 +188,7 @@ def time_kernels(trie, packed, use_const, n_rows, stream, reps=200):
     """(k_mask µs, k_select µs) per launch for n_rows rows at the root."""
     from numba import cuda
 
-    from decoder_service.model.cuda.launcher import event_ms, new_event
+    from decoder_service.gpu.launcher import event_ms, new_event
     cmax = trie.max_fanout()
     logits = cuda.to_device(np.random.default_rng(0).standard_normal(n_rows * cmax).astype(np.float32))
     mask, select, _, cand = root_launches(packed, n_rows, use_const, cmax, stream.handle, logits)
@@ -217,7 +217,7 @@ def sampler_arguments(p) -> None:
 
 def sampler(args) -> None:
     from decoder_service.model.cuda import device_trie as cs
-    from decoder_service.model.cuda.launcher import Stream
+    from decoder_service.gpu.launcher import Stream
     trie = metatool_trie(args.tokenizer)
     packed = cs.pack_trie(trie)
     stream = Stream()

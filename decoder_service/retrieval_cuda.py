@@ -18,9 +18,9 @@ import weakref
 import numba
 import numpy as np
 
-from decoder_service.model.cuda.intrinsics import WARP, dot8, ld8, ld8_once, ld_l2, pdl_enter, xor_pair
-from decoder_service.model.cuda.launcher import (SIM, Kernel, Launch, Scalar, Stream, destroy_event,  # numpy fix first
-                                                 new_event)
+from decoder_service.gpu.intrinsics import WARP, dot8, ld8, ld8_once, ld_l2, pdl_enter, xor_pair
+from decoder_service.gpu.launcher import (SIM, Kernel, Launch, Scalar, Stream, destroy_event,  # numpy fix first
+                                          new_event)
 from decoder_service.encoder.turns import Turns
 from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda

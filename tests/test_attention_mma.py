@@ -99,8 +99,8 @@ if __name__ == "__main__":
     import tempfile
     from pathlib import Path
 
-    from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.cuda.intrinsics import SIM
+    from decoder_service.gpu import sim_accel
+    from decoder_service.gpu.intrinsics import SIM
     from model_fixtures import backend_refusals
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:

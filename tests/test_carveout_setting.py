@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from decoder_service.model.cuda.launcher import parse_carveout
+from decoder_service.gpu.launcher import parse_carveout
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD = ["full", "101", "-1", "=28", "k_attn_rows=", "44,k_gemv=50", "28%"]
@@ -18,7 +18,7 @@ BAD = ["full", "101", "-1", "=28", "k_attn_rows=", "44,k_gemv=50", "28%"]
 def import_launcher(value: str) -> subprocess.CompletedProcess:
     """Import the launcher in a child (the setting is read once, at import) with the setting as given."""
     env = {**os.environ, "TOOLTRIE_CARVEOUT": value, "PYTHONPATH": str(ROOT)}
-    code = "from decoder_service.model.cuda import launcher; print(sorted(launcher.CARVEOUT.items()))"
+    code = "from decoder_service.gpu import launcher; print(sorted(launcher.CARVEOUT.items()))"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
 
 

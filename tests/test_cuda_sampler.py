@@ -77,8 +77,8 @@ def main() -> None:
     from decoder_service.model.cuda import device_trie as dt
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.engine.sampler import SEP, STOP, edge_priors, legal_edges, select
-    from decoder_service.model.cuda import sim_accel
-    from decoder_service.model.cuda.launcher import Stream
+    from decoder_service.gpu import sim_accel
+    from decoder_service.gpu.launcher import Stream
     from shared.catalog import parse_registry
     from shared.tokenizer import ModelTokenizer
     from tokenizer_fixtures import catalog_path, make_tokenizer_dir

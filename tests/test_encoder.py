@@ -479,7 +479,7 @@ def _sim_case() -> dict:
     from decoder_service.encoder.cuda import GRAPH_ROWS, CudaEncoder, stored_weights
     from decoder_service.encoder.reference import ReferenceEncoder
     from decoder_service.encoder.weights import load_weights
-    from decoder_service.model.cuda import sim_accel
+    from decoder_service.gpu import sim_accel
 
     sim_accel.install()
     with tempfile.TemporaryDirectory() as tmp:

@@ -68,7 +68,7 @@ class CpuModelDeviceHead:
     def __init__(self, cpu, max_logit_rows: int, max_candidates: int):
         from numba import cuda
 
-        from decoder_service.model.cuda.launcher import Stream
+        from decoder_service.gpu.launcher import Stream
         self.cpu, self.cfg, self.stream = cpu, cpu.cfg, Stream()
         self.skipped = 0   # forward passes a step's done flags skipped
         self.max_logit_rows, self.max_candidates = max_logit_rows, max_candidates
@@ -113,7 +113,7 @@ def device_stack():
     import tempfile
 
     from decoder_service.model.config import ModelConfig
-    from decoder_service.model.cuda import sim_accel
+    from decoder_service.gpu import sim_accel
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights
     from model_fixtures import make_tiny_model

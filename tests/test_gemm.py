@@ -58,9 +58,8 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     it falls elsewhere in its row block (rows computed from `first` and from `first + 5`)."""
     from numba import cuda
 
+    from decoder_service.gpu.intrinsics import MMA
     from decoder_service.model.cuda import kernels as K
-    from decoder_service.model.cuda.intrinsics import MMA
-    from decoder_service.model.cuda.launcher import Kernel
     from decoder_service.model.cuda.matmul import GEMM_ROWS, GEMM_TILES, gemm_shared
     from decoder_service.model.weights import bf16_to_f32
     Kp = -(-K_ // 8) * 8
@@ -83,7 +82,7 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
         out = cuda.to_device(init.reshape(-1))
         name = K.GEMM_KERNELS[warps, kind]
         _, mt, nt = GEMM_TILES[name]
-        Kernel(name, "bfloat16").allow_dynamic_shared(gemm_shared(warps, mt, nt))   # over 48 KiB: opted into
+        K.model_kernel(name, "bfloat16").allow_dynamic_shared(gemm_shared(warps, mt, nt))   # over 48 KiB: opted into
         grid = (-(-N // (8 * nt)), -(-(end - lo) // (GEMM_ROWS * mt)))
         K.KERNELS[name][grid, warps * MMA, 0, gemm_shared(warps, mt, nt)](
             d_x, i32(Kp), d_g, np.float32(EPS), i32(use_norm), d_w, i32(Kp), i32(K_), i32(N), d_b, i32(use_bias),
@@ -141,7 +140,7 @@ if __name__ == "__main__":
     import tempfile
     from pathlib import Path
 
-    from decoder_service.model.cuda.intrinsics import SIM
+    from decoder_service.gpu.intrinsics import SIM
     from model_fixtures import backend_refusals
     shapes = RAGGED if SIM else RAGGED + SMOLLM2
     with tempfile.TemporaryDirectory() as tmp:

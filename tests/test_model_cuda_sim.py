@@ -129,7 +129,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     from decoder_service.model.batch import StepBatch
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.cuda.backend import CudaBackend
-    from decoder_service.model.cuda.intrinsics import SIM
+    from decoder_service.gpu.intrinsics import SIM
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.reference import ReferenceModel
     from decoder_service.model.weights import load_weights
@@ -237,7 +237,7 @@ def _main() -> None:
     import time
 
     sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-    from decoder_service.model.cuda import sim_accel
+    from decoder_service.gpu import sim_accel
     sim_accel.install()
     out = {}
     wanted = sys.argv[2].split(",") if len(sys.argv) > 2 else [c[0] for c in CASES]   # the cases this child runs

@@ -1,4 +1,4 @@
-"""The CUDA encoder: numba.cuda kernels for the BERT forward pass, launched by the generator's launcher.
+"""The CUDA encoder: numba.cuda kernels for the BERT forward pass, launched through decoder_service.gpu.
 
 Texts packed end to end, float16 weights, float32 sums; a few texts (a request's parts) replay a graph captured
 for their row count rounded up to GRAPH_ROWS (the spare rows a text of their own) and text count. Every GEMM
@@ -16,10 +16,9 @@ from collections import OrderedDict
 import numpy as np
 
 from decoder_service.model.config import ModelError
-from decoder_service.model.cuda import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
-from decoder_service.model.cuda.intrinsics import (SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter,
-                                                   prefetch_l2)
-from decoder_service.model.cuda.launcher import Graph, Kernel, Launch, Scalar, Stream
+from decoder_service.gpu import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
+from decoder_service.gpu.intrinsics import SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter, prefetch_l2
+from decoder_service.gpu.launcher import Graph, Kernel, Launch, Scalar, Stream
 
 from numba import cuda
 from numba import float32 as nb_f32
@@ -274,7 +273,7 @@ def _signatures() -> dict:
                k_layernorm: (f32, f32, f32, t.float32, i32, f32),
                k_attention: (f32, ai, i32, i32, i32, t.float32, f32),
                k_pool: (f32, ai, i32, i32, f32)}
-    # prefixed: the launcher treats the generator's kernel names (k_embed among them) specially
+    # prefixed: TOOLTRIE_CARVEOUT names kernels, and the generator has a k_embed and a k_gemm too
     return {f"encoder.{k.py_func.__name__}": (k, argtypes) for k, argtypes in kernels.items()}
 
 
@@ -339,7 +338,7 @@ class CudaEncoder:
     def _build_launches(self) -> None:
         cfg, st = self.cfg, self.stream.handle
         H, I, nh, eps = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.layer_norm_eps
-        k = {name: Kernel(name, dispatcher=f, argtypes=a, pdl=True) for name, (f, a) in _signatures().items()}
+        k = {name: Kernel(name, f, a, pdl=True) for name, (f, a) in _signatures().items()}
         M = self.rows
         gamma, beta = self.emb_norm
         self.l_embed = Launch(k["encoder.k_embed"], ROW_THREADS, 0,

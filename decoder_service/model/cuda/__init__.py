@@ -1,7 +1,2 @@
-"""The CUDA backend: numba.cuda kernels, launched by the engine (raw driver launches or graphs).
-
-Importing this package applies the numpy/numba-cuda compatibility fix before numba.cuda compiles
-anything (see compat.py). ``backend.CudaBackend`` is the model; the kernels live in family modules
-(``kernels`` registers them), ``device_trie`` holds the catalog tries, ``launcher`` the launch machinery.
-"""
-from . import compat  # noqa: F401  (must run before any kernel compiles)
+"""The generator's CUDA backend: its kernels by family, their registry and CudaBackend, on decoder_service.gpu."""
+from decoder_service.gpu import compat  # noqa: F401  (numpy's row_stack alias: must run before any kernel compiles)

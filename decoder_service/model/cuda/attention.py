@@ -6,14 +6,15 @@ import math
 
 import numpy as np
 
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
 from numba import cuda
 from numba import float32 as nb_f32, int32 as nb_i32, int64 as nb_i64, uint32 as nb_u32
 
-from .intrinsics import (
-    MMA, SIM, TQ, WARP, block_max, block_sum, cdiv, divmod_u32, kv_base, lane_take, lanes_max, lanes_sum, ld8,
-    ld_l2, ld_words, mma_bf16, mma_sync, pdl_enter, quad_max, quad_sum, split_bf16)
+from decoder_service.gpu.intrinsics import (
+    MMA, SIM, TQ, WARP, block_max, block_sum, cdiv, divmod_u32, lane_take, lanes_max, lanes_sum, ld8, ld_l2,
+    ld_words, mma_bf16, mma_sync, pdl_enter, quad_max, quad_sum, split_bf16)
+from .kv_rope import kv_base
 from .matmul import mma_chunk
 
 MAX_SPLITS = 64         # attention: at most this many context splits per query
@@ -34,7 +35,7 @@ MMA_ATTN_REGISTERS = {64: 168, 128: 255}   # k_attn_mma's register caps: at 64, 
 QB = 4 if SIM else 16
 PPT = 2 if SIM else 8
 TP = TQ * PPT
-SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
 
 
 def _attn(t):

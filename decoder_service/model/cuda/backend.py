@@ -15,20 +15,20 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu.graph_gate import GATE_SIGNATURE, k_gate
+from decoder_service.gpu.intrinsics import MMA, SIM, TQ, WARP
+from decoder_service.gpu.launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 from ..batch import StepBatch
 from ..config import ModelConfig, ModelError
 from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
                         attn_shared_floats)
-from .intrinsics import MMA, SIM, TQ, WARP
-from .kernels import GEMM_KERNELS, GEMM_KINDS, MMA_ATTN_KERNELS
+from .device_trie import DeviceTrie
+from .kernels import GEMM_KERNELS, GEMM_KINDS, MMA_ATTN_KERNELS, model_kernel
 from .matmul import GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, TILE_ROWS, gemm_shared
 from .norm_rope import ROPE_ITEMS
-from .device_trie import DeviceTrie
-from .graph_gate import GATE_SIGNATURE, k_gate
-from .launcher import Graph, Kernel, Launch, Scalar, Stream, dptr, event_wait_host, new_event
 
 from numba import cuda  # after compat
 
@@ -335,8 +335,8 @@ class CudaBackend:
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp), kind] for kp in (self.kp_h, self.kp_q, self.kp_i)
                              for kind in GEMM_KINDS})
-        self.kernels = {name: Kernel(name, self.storage) for name in names}
-        self.gate = Kernel("k_gate", dispatcher=k_gate, argtypes=GATE_SIGNATURE)   # gated graphs (forward)
+        self.kernels = {name: model_kernel(name, self.storage) for name in names}
+        self.gate = Kernel("k_gate", k_gate, GATE_SIGNATURE)   # gated graphs (forward)
         # the prompt tiles' attention: kernel, block, dynamic shared memory
         block, shared_floats = (ATT_WARPS * MMA, attn_mma_shared_floats) if self.mma_attn \
             else (QB * TQ, attn_shared_floats)

@@ -10,14 +10,14 @@ import math
 import numba
 import numpy as np
 
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
 from numba import cuda
 
 from shared.trie import CONSTANT_MEMORY_BUDGET, PACKED_HEADER_WORDS, SEP, STOP, Trie, control_edge_legal
 from shared.trie import fits_constant_memory as _placement_rule
-from .intrinsics import SIM
-from .launcher import Kernel, Launch, check, event_wait_host, new_event
+from decoder_service.gpu.intrinsics import SIM
+from decoder_service.gpu.launcher import Kernel, Launch, check, event_wait_host, new_event
 
 THREADS = 8 if SIM else 128
 CONST_WORDS = CONSTANT_MEMORY_BUDGET // 4   # constant memory as int32 words: room for one packed trie
@@ -247,8 +247,8 @@ class TrieKernels:
     _instance = None
 
     def __init__(self):
-        self.mask = Kernel("k_mask", dispatcher=k_mask, argtypes=MASK_SIGNATURE)
-        self.select = Kernel("k_select", dispatcher=k_select, argtypes=SELECT_SIGNATURE)
+        self.mask = Kernel("k_mask", k_mask, MASK_SIGNATURE)
+        self.select = Kernel("k_select", k_select, SELECT_SIGNATURE)
 
     @classmethod
     def get(cls) -> "TrieKernels":

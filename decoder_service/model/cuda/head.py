@@ -6,14 +6,14 @@ import math
 
 import numpy as np
 
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
 from numba import cuda
 from numba import float32 as nb_f32
 
-from .intrinsics import WARP, ld8, pdl_enter
+from decoder_service.gpu.intrinsics import WARP, ld8, pdl_enter
 from .matmul import dot2, prefetch_row, stage_row
-SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
 
 
 @cuda.jit(cache=True)

@@ -6,14 +6,15 @@ import math
 
 import numpy as np
 
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
 from numba import cuda
 from numba import float32 as nb_f32, int64 as nb_i64, uint32 as nb_u32
 
-from .intrinsics import (
-    MMA, SIM, WARP, block_sum, kv_base, ld8, ld_words, mma_bf16, pdl_enter, prefetch_l1, prefetch_l2, quad_sum,
-    rope_pair, split_bf16, stf, warp_sum)
+from decoder_service.gpu.intrinsics import (
+    MMA, SIM, WARP, block_sum, ld8, ld_words, mma_bf16, pdl_enter, prefetch_l1, prefetch_l2, quad_sum, split_bf16,
+    stf, warp_sum)
+from .kv_rope import kv_base, rope_pair
 
 TILE_ROWS = 4                 # k_gemv_tile: input rows per block (8 was slower: P24)
 TILE_ACC = 4 * TILE_ROWS      # k_gemv_tile: a lane's partial sums (2 weight rows x even/odd x rows)
@@ -30,7 +31,7 @@ GEMM_CW = 4 * GEMM_MAX_NT                    # a lane's chunk of weight words
 GEMM_PAIRS = 2 * GEMM_MAX_MT                 # a lane's rows (g, g+8 of each m-tile): offsets, sums of squares
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; P30)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
-SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
 
 
 def _gemv(t):

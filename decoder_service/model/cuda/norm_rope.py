@@ -6,14 +6,15 @@ import math
 
 import numpy as np
 
-from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 
 from numba import cuda
 from numba import float32 as nb_f32
 
-from .intrinsics import WARP, block_sum, kv_base, pdl_enter, rope_pair, stf
+from decoder_service.gpu.intrinsics import WARP, block_sum, pdl_enter, stf
+from .kv_rope import kv_base, rope_pair
 from .matmul import stage_row
-SIGNATURES: dict = {}   # kernel -> its parameter types, given intrinsics.ArgTypes (None: not compiled)
+SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
 
 
 @cuda.jit(cache=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import numpy as np
 
@@ -527,48 +526,3 @@ def divmod_u32(a, b):
     position's block and slot in it, a head's KV head, a tile query's row and head."""
     q = np.uint32(a) // np.uint32(b)
     return q, np.uint32(a) - q * np.uint32(b)
-
-
-@cuda.jit(device=True, inline="always")
-def kv_base(bt, mb, slot, pos, bs, layer_off, rowlen, kvh, hd):
-    """Element offset of (layer, position `pos` of sequence `slot`, kv head) in the paged pool, or -1
-    where the block table has no block there."""
-    i, o = divmod_u32(pos, bs)
-    blk = bt[np.int64(slot) * mb + i]
-    if blk < 0:
-        return np.int64(-1)
-    return layer_off + (np.int64(blk) * bs + o) * rowlen + kvh * hd
-
-
-@cuda.jit(device=True, inline="always")
-def rope_pair(a, b, cs, pos, half, i):
-    """RoPE of the rotate_half pair (a, b) = (x[i], x[i + hd/2]) at position pos (table cs)."""
-    j = 2 * (np.int64(pos) * half + i)
-    c = cs[j]
-    s = cs[j + 1]
-    return a * c - b * s, b * c + a * s
-
-
-class ArgTypes(NamedTuple):
-    """The kernels' parameter types for one storage dtype (each family module's SIGNATURES reads them): 1-D
-    C-contiguous arrays f32, f64, ai (int32) and W (the storage: uint16 = bf16 bits, float16, float32),
-    scalars i32, i64 and f (float32); bf16: whether the bf16-only kernels (mma) are compiled."""
-    f32: object
-    f64: object
-    ai: object
-    W: object
-    i32: object
-    i64: object
-    f: object
-    bf16: bool
-
-
-def arg_types(storage: str) -> ArgTypes:
-    from numba.cuda import types as t
-    st = {"bfloat16": t.uint16, "float16": t.float16, "float32": t.float32}[storage]
-
-    def arr(dt):
-        return t.Array(dt, 1, "C")
-
-    return ArgTypes(arr(t.float32), arr(t.float64), arr(t.int32), arr(st), t.int32, t.int64, t.float32,
-                    storage == "bfloat16")

@@ -1,5 +1,5 @@
 """The engine owns the launches: compiled kernels' CUfunctions, parameters packed once (by name), raw
-``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the model kernels),
+``cuLaunchKernel`` (``cuLaunchKernelEx`` with programmatic dependent launch for the kernels that ask for it),
 stream-ordered copies, CUDA graph capture and replay. numba is only the compiler: its dispatcher's
 per-call argument conversion costs more than most kernels run (docs/gpu.md#launch-cost).
 """
@@ -14,7 +14,6 @@ import numpy as np
 from . import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
 from .graph_gate import SIM_CONDITIONS
 from .intrinsics import SIM, pdl_capable
-from .kernels import KERNELS, signatures
 
 from numba import cuda
 
@@ -27,8 +26,8 @@ else:  # pragma: no cover - names only used on a real device
     _OK = None
 
 
-# Programmatic dependent launch (P39): model kernels (KERNELS, each starting with pdl_enter) and the
-# encoder's launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
+# Programmatic dependent launch (P39): kernels that start with pdl_enter (Kernel's pdl: the model's, the encoder's,
+# retrieval's) launch with the PDL attribute, so a kernel's launch overlaps the one before it. TOOLTRIE_PDL=0
 # launches them plainly (for A/B measurements); the bits are the same either way.
 PDL = os.environ.get("TOOLTRIE_PDL", "1") != "0"
 
@@ -91,20 +90,19 @@ _CTYPES = {"int32": ctypes.c_int32, "int64": ctypes.c_int64, "float32": ctypes.c
 
 
 class Kernel:
-    """One kernel compiled for one storage dtype: its argument types and its CUfunction.
+    """One numba kernel compiled for one tuple of argument types: its CUfunction and its parameter names.
 
     ``dispatcher.compile`` goes through numba's on-disk cache (``cache=True``), so a restarted
     process loads the cubin instead of recompiling; ``cache_hit`` says which happened.
     """
 
-    def __init__(self, name: str, storage: str | None = None, *, dispatcher=None, argtypes=None, pdl: bool = False):
-        """A model kernel by name and storage dtype, or any other kernel (the engine's sampler) by its
-        dispatcher and argument types; pdl: it starts with pdl_enter, so it launches with the PDL attribute
-        (as every model kernel does)."""
+    def __init__(self, name: str, dispatcher, argtypes, *, pdl: bool = False):
+        """name: for TOOLTRIE_CARVEOUT and error messages; argtypes: in the kernel's parameter order; pdl: it
+        starts with pdl_enter, so it launches with the PDL attribute. Each caller's registry hands these in."""
         self.name = name
-        self.pdl = pdl or name in KERNELS
-        self.dispatcher = KERNELS[name] if dispatcher is None else dispatcher
-        self.argtypes = signatures(storage)[name] if argtypes is None else tuple(argtypes)
+        self.pdl = pdl
+        self.dispatcher = dispatcher
+        self.argtypes = tuple(argtypes)
         self.params = tuple(inspect.signature(self.dispatcher.py_func).parameters)   # the kernel's names
         if len(self.params) != len(self.argtypes):
             raise TypeError(f"{name}: {len(self.argtypes)} argument types for parameters {self.params}")
@@ -236,7 +234,7 @@ def _pdl_config(block: int, shmem: int, stream):
 
 
 class Stream:
-    """The backend's stream, plus stream-ordered copies (pinned host memory on a real device)."""
+    """A stream, plus stream-ordered copies (pinned host memory on a real device)."""
 
     def __init__(self):
         if SIM:
@@ -342,7 +340,7 @@ class Graph:
 
     ``fn`` must only enqueue work on the stream (no allocation, no host synchronisation, no
     pageable copies): everything it launches is recorded, nothing runs during capture. Every kernel
-    must already be compiled and loaded (the backend does that at construction).
+    must already be compiled and loaded (their owners, such as the model's backend, do that at construction).
 
     With a ``gate`` (graph_gate.k_gate's Kernel, a device int32 array of done flags, a row count n),
     the captured launches are the body of a conditional IF node after one k_gate launch: at a replay
