@@ -19,7 +19,7 @@ from shared.feedback import FeedbackStore
 from shared.rpc import compiler_pb2 as pb, compiler_pb2_grpc as pb_grpc
 from shared.serving import (AddressInUse, Busy, Credentials, Guard, Rule, follow_redis, make_server, rpc,
                             server_credentials, setup_logging, start_metrics, wait_for_termination)
-from shared.store import CatalogStore, VersionInfo
+from shared.store import CatalogStore, LatestMoved, VersionInfo
 from shared.tokenizer import ModelTokenizer
 from shared.trie import Trie, read_blob_metadata
 
@@ -28,6 +28,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["CompilerService"].full_name
 COMPILE_SECONDS = Histogram("tooltrie_compile_seconds", "Time to compile one registry into a trie")
 COMPILES_AT_ONCE = 1    # registries compiled at the same time (Compile and Publish): bounds the compiler's memory
 COMPILE_WAIT_S = 60.0   # the longest a call waits for its turn to compile
+LEARN_ATTEMPTS = 3      # Learns redone on the new latest when a version is published meanwhile, before ABORTED
 
 
 def version_message(info: VersionInfo) -> pb.CatalogVersion:
@@ -124,20 +125,27 @@ class CompilerServicer(pb_grpc.CompilerServiceServicer):
 
     @rpc(SERVICE)
     def Learn(self, request, context):
-        """The latest version published again with the feedback its tools were chosen for alone as examples."""
+        """The latest version published again with the feedback its tools were chosen for alone as examples. The
+        publish is a compare-and-set on the version learned from: a version published meanwhile (another Learn's,
+        or a registry's) is learned from again, LEARN_ATTEMPTS times at most (then ABORTED), so no version's
+        examples or tools are published over."""
         name = request.name
-        latest = self.store.latest_version(name)
-        trie = Trie.from_blob(self.store.verified_blob(name, latest))
-        registry, added = learned_registry(trie, self.feedback.alone(name, trie.pointer_names),
-                                           self.settings.max_examples)
-        if not added:
-            return pb.LearnResponse(version=version_message(self.store.info(name, latest)), created=False)
-        learned = self._compile(json.dumps(registry, ensure_ascii=False), context)
-        if self.store.latest_version(name) != latest:   # never publish over a version that came meanwhile
-            raise Busy(f"catalog {name!r} changed while learning (v{latest} is no longer the latest); learn again")
-        info, created = self.store.publish(name, learned)
-        log.info("learned %s v%d from v%d: %d examples added", name, info.version, latest, added)
-        return pb.LearnResponse(version=version_message(info), created=created, examples_added=added)
+        for _ in range(LEARN_ATTEMPTS):
+            latest = self.store.latest_version(name)
+            trie = Trie.from_blob(self.store.verified_blob(name, latest))
+            registry, added = learned_registry(trie, self.feedback.alone(name, trie.pointer_names),
+                                               self.settings.max_examples)
+            if not added:
+                return pb.LearnResponse(version=version_message(self.store.info(name, latest)), created=False)
+            learned = self._compile(json.dumps(registry, ensure_ascii=False), context)
+            try:
+                info, created = self.store.publish(name, learned, on_latest=latest)
+            except LatestMoved:
+                log.info("learning %s: v%d is no longer the latest; learning from the new one", name, latest)
+                continue
+            log.info("learned %s v%d from v%d: %d examples added", name, info.version, latest, added)
+            return pb.LearnResponse(version=version_message(info), created=created, examples_added=added)
+        raise LatestMoved(f"catalog {name!r} changed while learning, {LEARN_ATTEMPTS} times; learn again")
 
 
 def _name(request) -> None:

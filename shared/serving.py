@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import Counter, start_http_server
 
 from shared.catalog import CatalogError, clip
-from shared.store import NotFound
+from shared.store import LatestMoved, NotFound
 from shared.tokenizer import TokenizerError
 
 log = logging.getLogger("tooltrie")
@@ -49,6 +49,7 @@ ERROR_CODES: list[tuple[type[BaseException], grpc.StatusCode]] = [
     (CatalogError, grpc.StatusCode.INVALID_ARGUMENT),
     (TokenizerError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (LatestMoved, grpc.StatusCode.ABORTED),
     (redis.ConnectionError, grpc.StatusCode.UNAVAILABLE),
     (redis.TimeoutError, grpc.StatusCode.UNAVAILABLE),
 ]

@@ -26,6 +26,11 @@ class NotFound(KeyError):
         return self.args[0]
 
 
+class LatestMoved(Exception):
+    """A write made on top of one version found another latest: a writer published or rolled back meanwhile
+    (ABORTED: read the latest again and redo)."""
+
+
 class BlobRejected(ValueError):
     """A stored blob that does not match what the compiler recorded for it (its digest, its signature,
     its key): never served. reason names the check that failed (a metric label: signature, digest, key,
@@ -115,21 +120,27 @@ class CatalogStore:
         return ":".join([self.ns, "cat", name, *map(str, parts)])
 
     # --- writes ----------------------------------------------------------------------------
-    def publish(self, name: str, trie: Trie) -> tuple[VersionInfo, bool]:
+    def publish(self, name: str, trie: Trie, on_latest: int | None = None) -> tuple[VersionInfo, bool]:
         """Store trie as the next version of name and make it latest; identical content returns
         (and makes latest again, announced as a rollback) the version that already holds it.
         Returns (info, created). The info records the blob's digest, and its HMAC when the store has a
-        signing key, so that a decoder can refuse a blob changed after it was published."""
+        signing key, so that a decoder can refuse a blob changed after it was published. With on_latest (a
+        version the trie was built from), the publish is a compare-and-set: LatestMoved, and nothing written,
+        unless that version is still the latest when it is written."""
         content_hash = trie.meta["content_hash"]
         counter, hash_key = self._key(name, "counter"), self._key(name, "hash", content_hash)
+        latest_key = self._key(name, "latest")
         with self.r.pipeline() as p:
             while True:
                 try:
-                    p.watch(counter, hash_key, self._key(name, "latest"))
+                    p.watch(counter, hash_key, latest_key)
+                    if on_latest is not None and int(p.get(latest_key) or 0) != on_latest:
+                        p.unwatch()
+                        raise LatestMoved(f"catalog {name!r}: v{on_latest} is no longer the latest")
                     existing = p.get(hash_key)
                     if existing is not None and p.exists(self._key(name, "blob", int(existing))):
                         p.unwatch()
-                        return self.set_latest(name, int(existing)), False
+                        return self.set_latest(name, int(existing), on_latest), False
                     version = int(p.get(counter) or 0) + 1
                     trie.meta.update(name=name, version=version, created_unix=time.time())
                     blob = trie.to_blob()
@@ -142,7 +153,7 @@ class CatalogStore:
                     p.set(hash_key, version)
                     p.zadd(self._key(name, "versions"), {str(version): version})
                     p.sadd(f"{self.ns}:catalogs", name)
-                    p.set(self._key(name, "latest"), version)
+                    p.set(latest_key, version)
                     p.publish(self.channel, json.dumps({"name": name, "version": version, "event": "publish"}))
                     p.execute()
                     break
@@ -151,8 +162,9 @@ class CatalogStore:
         self._trim(name)
         return VersionInfo(**{**info.__dict__, "latest": True}), True
 
-    def set_latest(self, name: str, version: int) -> VersionInfo:
-        """Point latest at a stored version (a rollback) and announce it; a no-op if it already is."""
+    def set_latest(self, name: str, version: int, on_latest: int | None = None) -> VersionInfo:
+        """Point latest at a stored version (a rollback) and announce it; a no-op if it already is. With
+        on_latest, only while that version is the latest (else LatestMoved), as publish."""
         latest_key, blob_key = self._key(name, "latest"), self._key(name, "blob", version)
         with self.r.pipeline() as p:
             while True:
@@ -161,6 +173,9 @@ class CatalogStore:
                     if not p.exists(blob_key):
                         p.unwatch()
                         raise NotFound(f"catalog {name!r} has no version {version}")
+                    if on_latest is not None and int(p.get(latest_key) or 0) != on_latest:
+                        p.unwatch()
+                        raise LatestMoved(f"catalog {name!r}: v{on_latest} is no longer the latest")
                     if int(p.get(latest_key) or 0) == version:
                         p.unwatch()
                         break

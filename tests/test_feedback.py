@@ -109,3 +109,44 @@ def test_each_tool_keeps_its_newest_intents(compiler, monkeypatch):
         kept.record("demo", f"request {i}", ["weather"])
     kept.record("demo", "request 2", ["weather"])        # again: to the front, not a second place
     assert kept.alone("demo", ["weather", "news"]) == {"weather": ["request 3", "request 4", "request 2"]}
+
+
+def test_two_learns_at_once_lose_neither_ones_examples(compiler):
+    """Before: Learn checked that its version was still the latest, then published: a Learn that landed between
+    the two (its examples in a version published there) was published over by one built without them."""
+    stub, store = compiler
+    send(stub, "will it rain in Oslo tomorrow?", ["weather"])
+    publish, racing = store.publish, []
+
+    def with_a_learn_landing_first(name, trie, **kw):
+        if not racing:   # the first Learn's publish: a second Learn, with newer feedback, gets there first
+            racing.append(True)
+            send(stub, "headlines from Kyiv", ["news"])
+            assert stub.Learn(pb.LearnRequest(name="demo"), metadata=TOKEN).version.version == 2
+        return publish(name, trie, **kw)
+    store.publish = with_a_learn_landing_first
+    reply = stub.Learn(pb.LearnRequest(name="demo"), metadata=TOKEN)
+    latest = stub.ListVersions(pb.ListVersionsRequest(name="demo")).versions[-1]
+    assert not reply.created and reply.version.version == latest.version == 2
+    assert examples_of(stub, 2) == {"weather": ["will it rain in Oslo tomorrow?"],
+                                    "news": ["latest headlines", "headlines from Kyiv"], "maps": []}
+
+
+def test_a_learn_that_never_finds_its_version_latest_is_aborted(compiler):
+    """Each time Learn is about to publish, a registry's version has come: after LEARN_ATTEMPTS tries, ABORTED,
+    and nothing of its own published."""
+    stub, store = compiler
+    send(stub, "will it rain in Oslo tomorrow?", ["weather"])
+    publish, landed = store.publish, []
+
+    def a_registry_landing_first(name, trie, **kw):
+        if kw.get("on_latest") is not None:   # Learn's publish
+            landed.append(json.loads(REGISTRY) + [{"name": f"extra_{len(landed)}"}])
+            stub.Publish(pb.PublishRequest(name="demo", registry_json=json.dumps(landed[-1])), metadata=TOKEN)
+        return publish(name, trie, **kw)
+    store.publish = a_registry_landing_first
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Learn(pb.LearnRequest(name="demo"), metadata=TOKEN)
+    assert err.value.code() == grpc.StatusCode.ABORTED and "changed while learning, 3 times" in err.value.details()
+    assert [v.version for v in stub.ListVersions(pb.ListVersionsRequest(name="demo")).versions] == [1, 2, 3, 4]
+    assert examples_of(stub, 4)["weather"] == []
