@@ -100,7 +100,7 @@ def engine_phases(args) -> None:
                              (StepBatch, "validate", "validate")):
         clock.wrap(obj, attr, phase)
     if gpu:                                 # the CUDA backend's staging, graph replay, and the wait
-        from decoder_service.model.cuda import device_trie
+        from decoder_service.engine import device_trie
         from decoder_service.gpu.launcher import Graph
         clock.wrap(be, "stage", "stage")
         clock.wrap(Graph, "replay", "replay")

@@ -63,7 +63,7 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
     cand_token and count where given): (mask, select, the rows' buffers, the candidates' buffers)."""
     from numba import cuda
 
-    from decoder_service.model.cuda import device_trie as cs
+    from decoder_service.engine import device_trie as cs
 
     def i32(a):
         return cuda.to_device(np.ascontiguousarray(a, np.int32))
@@ -86,7 +86,7 @@ def root_launches(packed, rows: int, const: int, cmax: int, stream, logits, cand
 
 def cuda_sides(be, trie, rows):
     """(unconstrained ms, constrained ms, graph nodes of each) for one batch size."""
-    from decoder_service.model.cuda import device_trie as cs
+    from decoder_service.engine import device_trie as cs
     batch = context_batch(rows)
     be.stage(batch)
     packed = cs.pack_trie(trie)
@@ -216,7 +216,7 @@ def sampler_arguments(p) -> None:
 
 
 def sampler(args) -> None:
-    from decoder_service.model.cuda import device_trie as cs
+    from decoder_service.engine import device_trie as cs
     from decoder_service.gpu.launcher import Stream
     trie = metatool_trie(args.tokenizer)
     packed = cs.pack_trie(trie)

@@ -25,7 +25,7 @@ PACKED_HEADER_WORDS = 2   # the packed trie's header (nodes + 1, edges) before i
 
 
 def fits_constant_memory(packed_bytes: int) -> bool:
-    """The placement rule, one for the compiler's stat and the device (model/cuda/device_trie.py): a trie whose
+    """The placement rule, one for the compiler's stat and the device (engine/device_trie.py): a trie whose
     packed form is at most 64 KiB may be bound to constant memory; larger ones are read from the global arena."""
     return packed_bytes <= CONSTANT_MEMORY_BUDGET
 

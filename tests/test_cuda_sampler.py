@@ -74,7 +74,7 @@ def main() -> None:
 
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine import cuda_sampler as cs
-    from decoder_service.model.cuda import device_trie as dt
+    from decoder_service.engine import device_trie as dt
     from decoder_service.engine.catalog_runtime import CatalogRuntime
     from decoder_service.engine.sampler import SEP, STOP, edge_priors, legal_edges, select
     from decoder_service.gpu import sim_accel

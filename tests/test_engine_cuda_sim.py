@@ -90,12 +90,6 @@ class CpuModelDeviceHead:
     def copy_kv(self, src_block, dst_block, count):
         self.cpu.copy_kv(src_block, dst_block, count)
 
-    def device_trie(self, **sizes):
-        """The device trie over these buffers, as the CUDA backend's (its k_mask and k_select simulated)."""
-        from decoder_service.model.cuda.device_trie import DeviceTrie
-        return DeviceTrie(stream=self.stream, cand=self.cand, ncand=self.ncand, sparse=self.sparse,
-                          launch_sparse=self.launch_sparse, rows=self.max_logit_rows, cmax=self.max_candidates, **sizes)
-
     def launch_sparse(self, n: int) -> None:
         import numpy as np
         c = self.max_candidates
@@ -145,7 +139,7 @@ def main() -> None:
     from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
-    from decoder_service.model.cuda.device_trie import pack_trie
+    from decoder_service.engine.device_trie import pack_trie
     from shared.catalog import catalog_from_entries
     from tokenizer_fixtures import catalog_path
     simulated, tok, cfg, spec, backend = device_stack()

@@ -1,14 +1,16 @@
-"""The engine's sampler on a GPU backend: the pick runs on the device (the backend's DeviceTrie: k_mask, the
-sparse head, k_select), so that the engine can launch the next step before the host reads the picks."""
+"""The engine's sampler on a GPU backend: the pick runs on the device (device_trie.DeviceTrie: k_mask, the
+backend's sparse head, k_select), so that the engine can launch the next step before the host reads the picks."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from decoder_service.engine.device_trie import DeviceTrie
 from decoder_service.engine.sampler import Pick, empty_mask_message
 
 
 class DeviceSampler:
-    """The engine's sampler on a GPU backend, through the backend's `device_trie` (model/cuda/device_trie.py).
+    """The engine's sampler on a GPU backend (sampler.Sampler), through a DeviceTrie over the backend's candidate
+    buffers (`cand`, `ncand`, `sparse`: model/cuda/README.md) and its sparse head.
 
     The rows' trie state stays on the host (the engine's source of truth). `start` stages it, enqueues the pick
     and its copy out; `finish` waits for that copy. `follow` enqueues the same rows' next choice from the state
@@ -23,7 +25,10 @@ class DeviceSampler:
         """finish_forced: the engine's setting of that name (whether a last name left alone below its node
         ends the answer at the pick that enters it), so that the done flags say what the engine will."""
         self.fallback = fallback
-        self.trie = backend.device_trie(max_k=max_k, max_allow=max_allow, finish_forced=finish_forced)
+        self.trie = DeviceTrie(stream=backend.stream, cand=backend.cand, ncand=backend.ncand, sparse=backend.sparse,
+                               launch_sparse=backend.launch_sparse, rows=backend.max_logit_rows,
+                               cmax=backend.max_candidates, max_k=max_k, max_allow=max_allow,
+                               finish_forced=finish_forced)
         self.lazy_binds = 0   # versions bound inside a step (not bound at their switch)
 
     def bind(self, catalog, constant: bool = True) -> None:

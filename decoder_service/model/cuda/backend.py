@@ -1,8 +1,9 @@
 """CudaBackend: the model step on the GPU, behind docs/model_runtime_interface.md's interface.
 
 The host-level calls (forward, dense_logits, sparse_logits) are the cpu backend's; the device-level
-entries the engine keeps the step on the GPU with (stage, launch_forward, launch_sparse, capture,
-device_trie), the device buffers and the launch plan are in model/cuda/README.md.
+entries the engine keeps the step on the GPU with (stage, launch_forward, launch_sparse, capture),
+the device buffers (the engine's device trie reads and writes the candidate ones) and the launch plan are in
+model/cuda/README.md.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from ..kv_pool import KVPoolSpec
 from ..weights import STORAGE_DTYPES, Weights, to_float32
 from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
                         attn_shared_floats)
-from .device_trie import DeviceTrie
 from .kernels import GEMM_KERNELS, GEMM_KINDS, MMA_ATTN_KERNELS, model_kernel
 from .matmul import GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, TILE_ROWS, gemm_shared
 from .norm_rope import ROPE_ITEMS
@@ -666,13 +666,6 @@ class CudaBackend:
         ls, gs = self.l_sparse
         if N:
             ls.launch(gs, N)
-
-    def device_trie(self, *, max_k: int, max_allow: int, finish_forced: bool) -> DeviceTrie:
-        """The catalog tries on the device and the pick over them (k_mask, this backend's sparse head, k_select),
-        on this stream: k_mask writes the candidates into `cand`/`ncand`, k_select reads their logits."""
-        return DeviceTrie(stream=self.stream, cand=self.cand, ncand=self.ncand, sparse=self.sparse,
-                          launch_sparse=self.launch_sparse, rows=self.max_logit_rows, cmax=self.max_candidates,
-                          max_k=max_k, max_allow=max_allow, finish_forced=finish_forced)
 
     def capture(self, fn, gate: tuple | None = None) -> Graph:
         """Capture `fn` (which calls launch_* entries) into a CUDA graph on this backend's stream; with

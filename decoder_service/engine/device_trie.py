@@ -2,7 +2,19 @@
 else the global arena: `fits_constant_memory`), made resident when a version becomes the default or is first
 pinned (`DeviceTrie.bind`, off the decode step), and read by the pick's two kernels, one block per row, around
 the model's sparse head: k_mask writes a row's legal edges as its candidates, k_select picks among their logits
-and advances the row."""
+and advances the row. The engine's DeviceSampler (cuda_sampler.py) drives it over the CUDA backend's candidate
+buffers; the engine itself only sees the sampler.
+
+A packed trie is one int32 array: [nodes + 1, edges, node_edge_start..., edge_token..., edge_child..., edge_lo...,
+edge_hi...]. Every bound version's is in one global arena; the default version, where its packed trie fits 64 KiB,
+is also bound to k_mask's constant memory and its rows read it there (the same words: the same answers either
+way). CatalogManager.make_default (and the first pin of an older version, arena only) asks the engine to bind the
+version (DecodeEngine.make_resident); the engine thread does it at its next step, before any request queued after
+the switch, so no decode step of the new version uploads anything (DeviceSampler.lazy_binds counts versions bound
+inside a step instead: the engine was not told). A bind that moves a version starts a new placement epoch, and
+the engine does not step ahead of picks staged before it. Whoever replays a captured graph that reads constant
+memory must bind first: graph replay replays kernels, not the host upload that filled the symbol.
+"""
 from __future__ import annotations
 
 import math
@@ -11,13 +23,13 @@ import numba
 import numpy as np
 
 from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias before numba-cuda compiles anything)
+from decoder_service.gpu.intrinsics import SIM
+from decoder_service.gpu.launcher import Kernel, Launch, check, event_wait_host, new_event
 
 from numba import cuda
 
 from shared.trie import CONSTANT_MEMORY_BUDGET, PACKED_HEADER_WORDS, SEP, STOP, Trie, control_edge_legal
 from shared.trie import fits_constant_memory as _placement_rule
-from decoder_service.gpu.intrinsics import SIM
-from decoder_service.gpu.launcher import Kernel, Launch, check, event_wait_host, new_event
 
 THREADS = 8 if SIM else 128
 CONST_WORDS = CONSTANT_MEMORY_BUDGET // 4   # constant memory as int32 words: room for one packed trie
