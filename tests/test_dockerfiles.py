@@ -222,7 +222,7 @@ def test_python_modules_the_image_runs_exist(name):
     text = " ".join(rest for s in stages(DOCKERFILES[name]) for k, rest in s["body"] if k in {"RUN", "CMD"})
     modules = set(re.findall(r'python3?"?,?\s*"?-m"?,?\s*"?([a-z_]+\.[a-z_.]+)', text))
     assert f"{name}_service.server" in modules
-    assert "decoder_service.gguf_convert" in modules
+    assert "modelkit.gguf_convert" in modules
     for module in modules - {"grpc_tools.protoc"}:
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{name}: no module {module}"
 

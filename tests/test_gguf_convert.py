@@ -1,4 +1,4 @@
-"""Tests of `make model` (decoder_service.gguf_convert): tokenizer, config, tensors, numerics.
+"""Tests of `make model` (modelkit.gguf_convert): tokenizer, config, tensors, numerics.
 
 The oracles are independent of the converter: a slow pure-Python byte-level BPE that reads the
 GGUF vocabulary and merges directly, and a dense float32 numpy Llama forward pass that must
@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer
 
-from decoder_service import gguf_convert
+from modelkit import gguf_convert
 from shared.config import BASE_MODEL_DIR
 
 MODEL_DIR = BASE_MODEL_DIR

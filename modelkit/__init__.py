@@ -1,0 +1,1 @@
+"""Build tools that make the served models' files (`make model`, the images); the services never import them."""
