@@ -41,7 +41,8 @@ VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool v
                         ["source"])
 
 
-SMALLER_FIRST_S = 10.0   # the longest one slice of a version's vectors waits for a smaller version's load
+SMALLER_FIRST_S = 10.0   # the longest one stage of a version's load waits for a smaller version's load
+GIVE_WAY = 3.0           # after a stage of a load, it waits while requests are in flight up to this times the stage
 
 
 class CatalogRefused(Exception):
@@ -58,11 +59,19 @@ class CatalogLoading(Exception):
     health service name `tooltrie.catalog.<name>` turns SERVING once it is served)."""
 
 
-def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer=None) -> Trie:
+def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer=None, between=None) -> Trie:
     """A stored blob as a trie the engine may use, or BlobRejected: it must parse, name the key it is
     stored under (the version a request is told comes from the key, never from the blob), pass
     Trie.check, spell each tool's name with its tokens (when the tokenizer is given; a blob whose names
-    were rotated would answer with wrong names) and carry a well-formed BM25 index."""
+    were rotated would answer with wrong names) and carry a well-formed BM25 index. between(seconds the
+    check took), when given, is called after each check (a huge blob's checks take seconds of the GIL)."""
+    started = time.perf_counter()
+
+    def checked() -> None:
+        nonlocal started
+        if between is not None:
+            between(time.perf_counter() - started)
+        started = time.perf_counter()
     try:
         trie = Trie.from_blob(blob)
     except Exception as e:  # noqa: BLE001 - whatever a damaged blob raises, it is refused
@@ -71,11 +80,14 @@ def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer
     if trie.meta.get("name") != name or trie.meta.get("version") != version:
         raise BlobRejected(f"catalog {name!r} v{version}: the blob says it is {str(trie.meta.get('name'))[:80]!r} "
                            f"v{str(trie.meta.get('version'))[:20]}", "key")
+    checked()
     try:
         trie.check(vocab_size)
+        checked()
         bm25_index(trie)
     except (TrieCorrupt, ValueError, KeyError, TypeError) as e:
         raise BlobRejected(f"catalog {name!r} v{version}: {str(e)[:300]}", "arrays") from None
+    checked()
     if tokenizer is not None:
         spelled = tokenizer.decode_batch(trie.spelled(), skip_special_tokens=False)
         wrong = next((i for i, (a, b) in enumerate(zip(spelled, trie.pointer_names)) if a != b), None)
@@ -105,7 +117,7 @@ class CatalogManager:
         self._lock = threading.Lock()
         self._loading: dict[tuple[str, int], threading.Event] = {}
         self._tools: dict[tuple[str, int], int] = {}   # a loading version's tools, once its blob is read
-        self._load_ended = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)   # a load ended, or the last request in flight did
         self._stage: dict[tuple[str, int], str] = {}   # how far a version's load is, for a caller who asks for it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -141,6 +153,11 @@ class CatalogManager:
         with self._lock:
             self.active[rt.key] -= 1
             self._retire_if_unused(rt.key)
+            if not self._requests_in_flight():
+                self._changed.notify_all()
+
+    def _requests_in_flight(self) -> bool:
+        return any(n > 0 for n in self.active.values())
 
     def _retire_if_unused(self, key) -> None:
         name, version = key
@@ -198,8 +215,8 @@ class CatalogManager:
         try:
             self._lease_now(name, version)
             self._set_stage(key, "fetching its blob")
-            self._after_smaller_loads(key, self._tools_of(name, version))
-            trie = self._fetch_verified(name, version)
+            self._give_way(key, 0.0, self._tools_of(name, version))
+            trie = self._fetch_verified(name, version, lambda worked: self._give_way(key, worked))
             if superseded and superseded():
                 raise Superseded(f"{name} v{version}")
             try:
@@ -227,7 +244,7 @@ class CatalogManager:
                 self._loading.pop(key).set()
                 self._stage.pop(key, None)
                 self._tools.pop(key, None)
-                self._load_ended.notify_all()
+                self._changed.notify_all()
 
     def _tools_of(self, name: str, version: int) -> int:
         """A version's tool count as its info record says (0 where that cannot be read: the blob's check decides)."""
@@ -236,32 +253,40 @@ class CatalogManager:
         except (NotFound, redis.ConnectionError, redis.TimeoutError, ValueError, TypeError):
             return 0
 
-    def _after_smaller_loads(self, key: tuple[str, int], tools: int | None = None) -> None:
-        """Wait (up to SMALLER_FIRST_S) while a version with fewer tools is loading (tools: this one's, recorded
-        first): a catalog of a few tools is served in seconds instead of sharing the two cores and the GIL with a
-        huge one's checks and vectors for as long as those take."""
+    def _give_way(self, key: tuple[str, int], worked: float, tools: int | None = None) -> None:
+        """Between two stages of a load (its blob's checks, each slice of its vectors): wait (up to SMALLER_FIRST_S)
+        while a version with fewer tools is loading or announced (tools: this one's, recorded first), then while
+        requests are in flight, up to GIVE_WAY times as long as the stage just done took (`worked`, seconds). A
+        catalog of a few tools is served in seconds, and its requests answered, instead of sharing the cores and
+        the GIL with a huge one's checks and vectors; under steady traffic a load still runs a quarter of the
+        time."""
         def smaller_loading() -> bool:
             mine = self._tools.get(key, 0)
             return any(n < mine for other, n in self._tools.items() if other != key)
         with self._lock:
             if tools is not None:
                 self._tools[key] = tools
-            self._load_ended.wait_for(lambda: not smaller_loading() or self._stop.is_set(), SMALLER_FIRST_S)
+            self._changed.wait_for(lambda: not smaller_loading() or self._stop.is_set(), SMALLER_FIRST_S)
+            self._changed.wait_for(lambda: not self._requests_in_flight() or self._stop.is_set(),
+                                   GIVE_WAY * worked)
 
     def _set_stage(self, key: tuple[str, int], stage: str) -> None:
         with self._lock:
             self._stage[key] = stage
 
-    def _fetch_verified(self, name: str, version: int) -> Trie:
-        """The stored blob of one version, verified (BlobRejected -> CatalogRefused, logged and counted)."""
+    def _fetch_verified(self, name: str, version: int, between) -> Trie:
+        """The stored blob of one version, verified (BlobRejected -> CatalogRefused, logged and counted);
+        between(seconds the step took) is called after the fetch and after each of verify_trie's checks."""
         tok = self.engine.tok
         vocab = tok.tokenizer.get_vocab_size(with_added_tokens=True)
         model_vocab = getattr(getattr(self.engine.backend, "cfg", None), "vocab_size", None)
         if isinstance(model_vocab, int):
             vocab = min(vocab, model_vocab)
         try:
+            started = time.perf_counter()
             blob = self.store.verified_blob(name, version)
-            return verify_trie(name, version, blob, vocab, tok.tokenizer)
+            between(time.perf_counter() - started)
+            return verify_trie(name, version, blob, vocab, tok.tokenizer, between)
         except BlobRejected as e:
             BLOBS_REJECTED.labels(e.reason).inc()
             log.error("refused %s v%d: %s", name, version, e)
@@ -328,11 +353,15 @@ class CatalogManager:
                 BLOBS_REJECTED.labels(e.reason).inc()
             log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
         if vectors is None:
+            sliced = time.perf_counter()
+
             def progress(done: int, total: int) -> None:
+                nonlocal sliced
                 self._set_stage((name, version), f"{100 * done // total}% of its {total} texts' vectors")
                 if superseded and superseded():
                     raise Superseded(f"{name} v{version}")
-                self._after_smaller_loads((name, version))
+                self._give_way((name, version), time.perf_counter() - sliced)
+                sliced = time.perf_counter()
             self._set_stage((name, version), "computing its tool vectors")
             started = time.perf_counter()
             vectors, blob = computed_vectors(trie, self.encoder, progress)
@@ -344,13 +373,19 @@ class CatalogManager:
                 log.warning("%s v%d: tool vectors not stored (%s)", name, version, e)
         return Retriever(index, n, vectors, self.encoder)
 
-    def announce(self, name: str, version: int) -> None:
+    def announce(self, name: str, version: int, tools: int | None = None) -> None:
         """Record version as the wanted default and bring the catalog to it in the background: one worker
         per catalog, which always loads the newest announced version; a load in progress that a newer
-        announcement supersedes is abandoned at its next stage instead of being finished and queued."""
+        announcement supersedes is abandoned at its next stage instead of being finished and queued. tools (the
+        version's tool count, when the caller read it) is recorded before the worker starts, so that a larger
+        version announced beside it waits for it from the first instant (_give_way)."""
         with self._lock:
             self.wanted[name] = version
             self.deleted.discard(name)
+            for key in [k for k in self._tools if k[0] == name and k not in self._loading]:
+                del self._tools[key]   # queued for an older announcement of this catalog: not loading
+            if tools is not None:
+                self._tools[(name, version)] = tools
             if name in self._workers:
                 return
             self._workers.add(name)
@@ -412,6 +447,8 @@ class CatalogManager:
                 table.pop(name, None)
             self.refused_versions = {k: v for k, v in self.refused_versions.items() if k[0] != name}
             self.deleted.add(name)
+            for key in [k for k in self._tools if k[0] == name and k not in self._loading]:
+                del self._tools[key]
             for key in [k for k in self.loaded if k[0] == name]:
                 self._retire_if_unused(key)
         log.info("catalog %s deleted: no longer served", name)
@@ -437,8 +474,8 @@ class CatalogManager:
                 continue
             if self.latest.get(name) != version:
                 stale.append((self._tools_of(name, version), name, version))
-        for _, name, version in sorted(stale):
-            self.announce(name, version)
+        for tools, name, version in sorted(stale):
+            self.announce(name, version, tools)
 
     # --- the subscriber ------------------------------------------------------------------------
     def start(self) -> None:

@@ -143,12 +143,14 @@ def written_request(description: str, template: str = "I need to {d}") -> str:
 
 def tool_vectors(trie: Trie, encoder, progress=None) -> Vectors:
     """Each tool's unit vector, its text's plus the mean of its requests' (tool_requests), normalised; and the
-    requests' own vectors. progress(done, total) is called after each slice of VECTOR_SLICE texts (a text's vector
-    is the same in any batch), and may raise to abandon the work."""
+    requests' own vectors. progress(done, total) is called once the texts are written and after each slice of
+    VECTOR_SLICE texts (a text's vector is the same in any batch), and may raise to abandon the work."""
     n = len(trie.pointer_names)
     texts, owner = tool_requests(trie)
     texts = tool_texts(trie) + texts
     parts, size = [], VECTOR_SLICE.get(encoder.backend_name, VECTOR_SLICE["cuda"])
+    if progress is not None:
+        progress(0, len(texts))
     for at in range(0, len(texts), size):
         parts.append(encoder.encode(texts[at:at + size]))
         if progress is not None:

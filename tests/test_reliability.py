@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+import decoder_service.catalogs as catalogs
 import decoder_service.retrieval as retrieval
 from decoder_stack import TOOLS, DecoderStack, discover, failure, trie_of, wait_until
 from devstack.redis_server import free_port
@@ -130,6 +131,73 @@ def test_a_slow_catalog_holds_no_other_back(tmp_path, small_tokenizer_dir, redis
         assert ("aaa-huge", 1) not in s.catalogs.loaded
     finally:
         encoder.gate.set()
+        s.close()
+
+
+def test_a_larger_catalog_waits_for_a_smaller_one_from_the_first_instant(tmp_path, small_tokenizer_dir, redis_url):
+    """Before: each load recorded its own tool count when its thread got there, so a huge catalog's load that got
+    there first saw no smaller one loading and read and checked its blob beside it (issue 53's slow catalog: the
+    small one answered 24 s after the decoder listened on 2 cores, 1.5 s without the huge one)."""
+    s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url)
+    huge = [{"name": f"huge_{i}", "description": f"huge tool {i}"} for i in range(40)]
+    fetched = []
+    verified_blob, lease = s.store.verified_blob, s.store.lease
+
+    def recording(name, version):
+        fetched.append((name, dict(s.catalogs.latest)))
+        return verified_blob(name, version)
+
+    def slow_for_small(name, versions, holder, ttl):   # the small catalog's thread is the slower one to start
+        if name == "small":
+            time.sleep(0.5)
+        return lease(name, versions, holder, ttl)
+    s.store.verified_blob, s.store.lease = recording, slow_for_small
+    try:
+        s.store.publish("aaa-huge", trie_of(s.tok, huge))
+        s.store.publish("small", trie_of(s.tok, TOOLS[:10]))
+        s.start(wait_ready=False)
+        wait_until(lambda: s.catalogs.latest.get("aaa-huge") == 1, 30, "the huge catalog served")
+        assert fetched == [("small", {}), ("aaa-huge", {"small": 1})]
+    finally:
+        s.close()
+
+
+class CountingEncoder(GatedEncoder):
+    """GatedEncoder's vectors, each of the `huge` catalog's slices taking 20 ms and counted (never gated)."""
+
+    def encode(self, texts):
+        if any("huge" in t for t in texts):
+            self.huge_slices += 1
+            time.sleep(0.02)
+        return super().encode([t.replace("huge", "big") for t in texts])
+
+
+def test_a_load_gives_way_to_requests_in_flight(tmp_path, small_tokenizer_dir, redis_url, monkeypatch):
+    """Before: a version's load ran its checks and vector slices beside requests in flight, on the same cores and
+    GIL: on 2 cores a small catalog's first answer took 2.9 s beside a 100,000-tool load, 1 s alone. Now each stage
+    of a load waits while requests are in flight (up to GIVE_WAY times the stage's own time: here unbounded)."""
+    monkeypatch.setitem(retrieval.VECTOR_SLICE, "cpu", 8)
+    monkeypatch.setattr(catalogs, "GIVE_WAY", 1e6)
+    encoder = CountingEncoder()
+    s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, encoder=encoder)
+    gate = threading.Event()
+    try:
+        s.store.publish("small", trie_of(s.tok, TOOLS[:10]))
+        s.start()
+        hold_retrieval(s, gate, "held weather")
+        held = s.stub().Discover(pb.DiscoverRequest(catalog="small", intent="held weather", k=2), timeout=60)
+        wait_until(lambda: s.catalogs.active[("small", 1)] == 1, 10, "the request in flight")
+        s.store.publish("huge", trie_of(s.tok, [{"name": f"huge_{i}", "description": f"huge tool {i}"}
+                                                for i in range(40)]))
+        wait_until(lambda: s.catalogs.wanted.get("huge") == 1, 10, "the huge catalog announced")
+        time.sleep(1.0)
+        assert encoder.huge_slices == 0 and "huge" not in s.catalogs.latest
+        gate.set()
+        assert list(held)[-1].HasField("done")
+        wait_until(lambda: s.catalogs.latest.get("huge") == 1, 30, "the huge catalog served once the request ended")
+        assert encoder.huge_slices == 10
+    finally:
+        gate.set()
         s.close()
 
 
