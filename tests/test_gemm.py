@@ -19,13 +19,16 @@ import math
 import numpy as np
 import pytest
 
+from decoder_service.model.cuda.matmul import ACCUMULATE, STORE, SWIGLU
 from sim_runner import run_script
 
 EPS = 1e-5
 TOLERANCE = 3e-5
-SMOLLM2 = [(576, 960, 71, 0, 1, 1), (576, 576, 71, 1, 0, 0), (576, 3072, 71, 2, 1, 0), (1536, 576, 71, 1, 0, 0),
-           (576, 960, 1, 0, 1, 0), (576, 3072, 300, 2, 1, 0)]     # (K, N, M, mode, norm, bias)
-RAGGED = [(72, 40, 21, 0, 1, 1), (72, 40, 21, 1, 0, 0), (40, 48, 17, 2, 1, 0)]   # K, N not multiples of 32
+# (K, N, M, mode, norm, bias)
+SMOLLM2 = [(576, 960, 71, STORE, 1, 1), (576, 576, 71, ACCUMULATE, 0, 0), (576, 3072, 71, SWIGLU, 1, 0),
+           (1536, 576, 71, ACCUMULATE, 0, 0), (576, 960, 1, STORE, 1, 0), (576, 3072, 300, SWIGLU, 1, 0)]
+# K, N not multiples of 32
+RAGGED = [(72, 40, 21, STORE, 1, 1), (72, 40, 21, ACCUMULATE, 0, 0), (40, 48, 17, SWIGLU, 1, 0)]
 
 
 def _bf16_bits(rng, shape, scale):
@@ -36,16 +39,16 @@ def _bf16_bits(rng, shape, scale):
 
 
 def reference(x, Wf, gamma, bias, base, K_, mode, use_norm, use_bias):
-    """float64: the rows' outputs as k_gemm defines them (mode 0 store + bias, 1 accumulate, 2 SwiGLU)."""
+    """float64: the rows' outputs as k_gemm defines them (STORE + bias, ACCUMULATE, SWIGLU)."""
     x = x.astype(np.float64)
     if use_norm:
         x = x / np.sqrt((x[:, :K_] ** 2).mean(1, keepdims=True) + EPS) * gamma.astype(np.float64)
     y = x @ Wf.T
     if use_bias:
         y = y + bias
-    if mode == 1:
+    if mode == ACCUMULATE:
         return base + y
-    if mode == 2:
+    if mode == SWIGLU:
         a, b = y[:, 0::2], y[:, 1::2]
         return a / (1 + np.exp(-a)) * b
     return y
@@ -71,9 +74,9 @@ def check_gemm(rng, K_: int, N: int, M: int, mode: int, use_norm: int, use_bias:
     gamma = np.zeros(Kp, np.float32)
     gamma[:K_] = 1 + 0.1 * rng.standard_normal(K_)
     bias = rng.standard_normal(N).astype(np.float32)
-    width = N // 2 if mode == 2 else N
+    width = N // 2 if mode == SWIGLU else N
     base = rng.standard_normal((rows, width)).astype(np.float32)
-    init = base if mode == 1 else np.full((rows, width), np.nan, np.float32)
+    init = base if mode == ACCUMULATE else np.full((rows, width), np.nan, np.float32)
     end = first + M
     d_w, d_x, d_g, d_b = (cuda.to_device(a.reshape(-1)) for a in (W, x, gamma, bias))
     i32 = np.int32

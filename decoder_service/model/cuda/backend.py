@@ -27,7 +27,8 @@ from ..weights import STORAGE_DTYPES, Weights, to_float32
 from .attention import (ATT_WARPS, MAX_SPLITS, MMA_SPLIT, MQ, QB, ROW_SPLITS, TP, attn_mma_shared_floats,
                         attn_shared_floats)
 from .kernels import GEMM_KERNELS, GEMM_KINDS, MMA_ATTN_KERNELS, model_kernel
-from .matmul import GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, TILE_ROWS, gemm_shared
+from .matmul import (ACCUMULATE, GEMM_MAX_WARPS, GEMM_ROWS, GEMM_TILES, GEMM_WARPS, ROPE_KV, STORE, SWIGLU, TILE_ROWS,
+                     gemm_shared)
 from .norm_rope import ROPE_ITEMS
 
 from numba import cuda  # after compat
@@ -223,7 +224,7 @@ class CudaBackend:
         if attn_splits is not None and not 1 <= attn_splits <= MAX_SPLITS:
             raise ModelError(f"cuda backend: attn_splits={attn_splits} must be in [1, {MAX_SPLITS}]")
         self.t_rope = min(128, max(WARP, -(-(hd // 2) // WARP) * WARP))
-        # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (mode 3,
+        # Without a q/k norm, a one-row step runs RoPE and the KV write in k_gemv's epilogue (ROPE_KV,
         # rope_store), on a copy of the QKV rows (and bias) permuted into rotate_half pairs
         # (i, i + hd/2); row tiles keep the plain rows and k_rope_kv (P31, P32).
         self.fused_rope = not cfg.qk_norm
@@ -414,13 +415,13 @@ class CudaBackend:
                    bias, use_bias: int, out, out_stride: int, mode: int, rope: tuple | None = None):
         """(launch, grid_x, resident wave) for one row and for row tiles of the same product. With
         rope = (paired W, paired bias, the layer's offset in the KV pool) the one-row launch runs
-        mode 3 (RoPE and the KV write) on the paired rows."""
+        the ROPE_KV epilogue (RoPE and the KV write) on the paired rows."""
         def args(W, bias, mode):
             return dict(x=x, x_stride=x_stride, row_map=self.logit_rows, use_map=0, gamma=gamma,
                         eps=float(self.cfg.rms_norm_eps), use_norm=use_norm, W=W, Q=kp // 8, K=K, N=N, bias=bias,
                         use_bias=use_bias, out=out, out_stride=out_stride, mode=mode, pf=self.prefetch,
                         epl=128 // self.np_dtype.itemsize)
-        w1, b1, mode1, layer_off = (rope[0], rope[1], 3, rope[2]) if rope else (W, bias, mode, 0)
+        w1, b1, mode1, layer_off = (rope[0], rope[1], ROPE_KV, rope[2]) if rope else (W, bias, mode, 0)
         one = dict(args(w1, b1, mode1), positions=self.positions, slots=self.slots, bt=self.block_tables,
                    mb=self.table_stride, kc=self.kv_k, vc=self.kv_v, layer_off=layer_off, bs=self.spec.block_size,
                    nkv=self.cfg.num_kv_heads, hd=self.cfg.head_dim, cs=self.rope_cs)
@@ -479,7 +480,7 @@ class CudaBackend:
                 bp = self.b_qkv_pairs[l * self.dqkv:(l + 1) * self.dqkv] if cfg.qkv_bias else self.b_qkv_pairs
                 rope = (self.w_qkv_pairs[l * self.dqkv * kh:(l + 1) * self.dqkv * kh], bp, kvo)
             layer = self._matrix("qkv", f"qkv[{l}]", self.x, kh, na, 1, wq, H, kh, self.dqkv, bias,
-                                 int(cfg.qkv_bias), self.qkv, self.dqkv, 0, rope)
+                                 int(cfg.qkv_bias), self.qkv, self.dqkv, STORE, rope)
             pool = dict(slots=self.slots, positions=self.positions, bt=self.block_tables, mb=self.table_stride,
                         kc=self.kv_k, vc=self.kv_v, layer_off=kvo, bs=self.spec.block_size, nkv=nkv, hd=hd)
             layer["rope"] = Launch(k["k_rope_kv"], self.t_rope * ROPE_ITEMS, 0,
@@ -493,18 +494,18 @@ class CudaBackend:
             layer["attn_tiles"] = Launch(*self.tile_attention, dict(attention, tiles=self.attn_tiles, maxs=MAX_SPLITS),
                                          st, f"attn_tiles[{l}]")
             layer.update(self._matrix("o", f"o_proj[{l}]", self.att, kq, na, 0, wo, cfg.q_size, kq, H,
-                                      self.b_qkv, 0, self.x, kh, 1))
+                                      self.b_qkv, 0, self.x, kh, ACCUMULATE))
             layer.update(self._matrix("gate_up", f"gate_up[{l}]", self.x, kh, nm, 1, wgu, H, kh, 2 * I,
-                                      self.b_qkv, 0, self.act, ki, 2))
+                                      self.b_qkv, 0, self.act, ki, SWIGLU))
             layer.update(self._matrix("down", f"down[{l}]", self.act, ki, nm, 0, wd, I, ki, H, self.b_qkv,
-                                      0, self.x, kh, 1))
+                                      0, self.x, kh, ACCUMULATE))
             self.layers.append(layer)
         self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
                               dict(x=self.x, x_stride=kh, rows=self.logit_rows, gamma=self.n_final, eps=eps, K=H,
                                    Q=kh // 8, out=self.hidden, out_stride=kh), st, "final_norm")
         self.l_dense, self.l_dense_tile = self._gemv_pair(
             "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V, self.b_qkv, 0,
-            self.logits, V, 0)
+            self.logits, V, STORE)
         nwc = self.t_gemv // WARP
         self.l_sparse = (Launch(k["k_sparse"], self.t_gemv, kh * 4,
                                 dict(h=self.hidden, h_stride=kh, W=self.w_head, Q=kh // 8, V=V, cand=self.cand,

@@ -29,6 +29,10 @@ GEMM_ACC = 4 * GEMM_MAX_MT * GEMM_MAX_NT     # a lane's accumulators (4 per m16 
 GEMM_CX = 8 + 16 * GEMM_MAX_MT               # a lane's chunk of gamma and x rows
 GEMM_CW = 4 * GEMM_MAX_NT                    # a lane's chunk of weight words
 GEMM_PAIRS = 2 * GEMM_MAX_MT                 # a lane's rows (g, g+8 of each m-tile): offsets, sums of squares
+# A matrix launch's epilogue (its `mode`): out = dot (+ bias); out += dot (the residual); SwiGLU over interleaved
+# gate/up rows; QKV with RoPE and the KV write (k_gemv's one-row launch only: rope_store). Module constants, so
+# numba compiles them as literals.
+STORE, ACCUMULATE, SWIGLU, ROPE_KV = 0, 1, 2, 3
 GEMV_REGISTERS = 128    # k_gemv's register cap: two 256-thread blocks per SM (152 uncapped; P30)
 _GEMV_JIT = {} if SIM else {"max_registers": GEMV_REGISTERS}
 SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
@@ -246,15 +250,15 @@ def dot2_rows(W, wa, wb, xs, Q, lane, n, acc):
 
 @cuda.jit(device=True, inline="always")
 def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode):
-    """Epilogue of one row pair (lane 0): mode 0 store (+ bias), 1 accumulate (residual), 2 SwiGLU."""
-    if mode == 2:
+    """Epilogue of one row pair (lane 0): mode STORE (+ bias), ACCUMULATE (the residual) or SWIGLU."""
+    if mode == SWIGLU:
         out[ob + p] = a / (np.float32(1.0) + math.exp(-a)) * b
     else:
         if use_bias != 0:
             a += bias[ra]
             if rb < N:
                 b += bias[rb]
-        if mode == 1:
+        if mode == ACCUMULATE:
             out[ob + ra] += a
             if rb < N:
                 out[ob + rb] += b
@@ -267,7 +271,7 @@ def gemv_store(out, ob, p, ra, rb, N, a, b, bias, use_bias, mode):
 @cuda.jit(device=True, inline="always")
 def rope_store(out, ob, p, N, a, b, bias, use_bias, r, positions, slots, bt, mb, kc, vc, layer_off, bs,
                nkv, hd, cs):
-    """k_gemv's mode 3 epilogue, QKV with RoPE (lane 0): the weight rows are permuted so that pair p
+    """k_gemv's ROPE_KV epilogue, QKV with RoPE (lane 0): the weight rows are permuted so that pair p
     is (i, i + hd/2) of head p // (hd/2); q is rotated into out, k rotated and v written to the paged
     pool, the arithmetic of k_rope_kv without a q/k norm (and gemv_store's bias)."""
     half = hd // 2
@@ -302,9 +306,9 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
 
     src = row_map[r] if use_map else r. Each warp owns output row pairs (2p, 2p+1), grid-striding over
     pairs; at one input row it first issues cache hints (pf) for its pairs' rows, so that the weight
-    fetch overlaps the previous kernel and the staging. mode 0: out[j] = dot (+ bias[j]); 1: out[j] +=
-    dot (residual); 2: SwiGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); 3: QKV
-    with RoPE and the KV write (rope_store; the parameters from `positions` on serve only this mode).
+    fetch overlaps the previous kernel and the staging. mode STORE: out[j] = dot (+ bias[j]); ACCUMULATE:
+    out[j] += dot (residual); SWIGLU over interleaved gate/up rows, out[p] = silu(dot(2p)) * dot(2p+1); ROPE_KV:
+    QKV with RoPE and the KV write (rope_store; the parameters from `positions` on serve only this mode).
     Dynamic shared memory: 8Q floats. Padding columns of x (and gamma) must be zero.
     """
     xs = cuda.shared.array(0, nb_f32)
@@ -339,7 +343,7 @@ def k_gemv(x, x_stride, row_map, use_map, gamma, eps, use_norm, W, Q, K, N, bias
         rb = ra + 1
         a, b = dot2(W, ra * Kp, min(rb, N - 1) * Kp, xs, Q, lane)
         if lane == 0:
-            if mode == 3:
+            if mode == ROPE_KV:
                 rope_store(out, ob, p, N, a, b, bias, use_bias, r, positions, slots, bt, mb, kc, vc,
                            layer_off, bs, nkv, hd, cs)
             else:
@@ -592,7 +596,7 @@ def gemm_shared(warps: int, mt: int, nt: int) -> int:
 @cuda.jit(cache=True)
 def k_gemm(x, x_stride, gamma, eps, use_norm, W, Kp, K, N, bias, use_bias, out, out_stride, mode, first, end):
     """out[r] (op)= W @ f(x[r]) for the prompt rows first .. end-1 on the tensor cores (bf16 weights);
-    f = RMSNorm(gamma) if use_norm; modes as k_gemv's 0-2 (gemv_store).
+    f = RMSNorm(gamma) if use_norm; modes as k_gemv's but ROPE_KV (gemv_store).
 
     Block (x: 8 nt output columns, y: 16 mt rows; here mt, nt = 1, 4); its GEMM_WARPS warps each take every
     GEMM_WARPS-th 32-wide K chunk (k_gemm_wide: GEMM_MAX_WARPS; which one a matrix runs is a choice of
