@@ -39,11 +39,12 @@ EXPECTED = {"duplicate": "refused: ALREADY_EXISTS (a duplicate id)", "busy": "re
 
 
 def forged_events(catalog: str) -> list[str]:
-    """What a writer to the events channel might send: every one must be dropped (or, for a version that was never
-    published, fail its load) while the catalogs are served on."""
+    """What a writer to the events channel might send: every one must be dropped (counted, one clipped log line)
+    while the catalogs are served on, a version never published and a deletion of a catalog still there included."""
     return ['{"name": 5}', "not json", json.dumps({"name": "n" * 200_000, "version": 1}),
             json.dumps({"name": catalog, "version": -3}), '[1, 2]', json.dumps({"name": "bad name!", "version": 1}),
             json.dumps({"name": catalog, "version": "2"}), json.dumps({"name": catalog, "version": 2**31 - 1}),
+            json.dumps({"name": catalog, "event": "delete"}),
             b"\xff\xfe" + os.urandom(64)]
 
 

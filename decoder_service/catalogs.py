@@ -36,7 +36,7 @@ BLOBS_REJECTED = MetricCounter("tooltrie_catalog_blobs_rejected_total", "Stored 
 SUPERSEDED = MetricCounter("tooltrie_catalog_loads_superseded_total", "Loads of a version abandoned because a "
                            "newer one was announced")
 EVENTS_DROPPED = MetricCounter("tooltrie_catalog_events_dropped_total", "Messages on the events channel that name "
-                               "no catalog version (malformed or forged), dropped")
+                               "no catalog version, or that the store contradicts (malformed or forged), dropped")
 VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool vectors, by where they came from",
                         ["source"])
 
@@ -509,9 +509,11 @@ class CatalogManager:
                 self._stop.wait(1.0)
 
     def _on_event(self, data) -> None:
-        """Announce the version an event names, or forget a deleted catalog; an event that is not `{"name": a
-        catalog name, "version": a positive int}` or `{"name": a catalog name, "event": "delete"}` (a forgery,
-        or damage) is logged, clipped, and dropped."""
+        """Announce the version an event names when it is the catalog's latest in the store, or forget a deleted
+        catalog; an event that is not `{"name": a catalog name, "version": a positive int}` or `{"name": a catalog
+        name, "event": "delete"}`, or whose claim the store contradicts (a version it does not hold, a deletion of a
+        catalog still there: a forgery, or damage), is counted, logged clipped, and dropped. Publish, rollback and
+        delete write the store and announce in one transaction, so a true event's claim holds when it is read."""
         try:
             event = json.loads(data)
             if not isinstance(event, dict):
@@ -527,10 +529,24 @@ class CatalogManager:
             return
         if self.names is not None and name not in self.names:
             return
-        if deleted:
-            self.forget(name)
+        try:
+            latest = self.store.latest_version(name)
+        except NotFound:
+            latest = None
+        if deleted and latest is not None:
+            forged = f"catalog {name!r} is still in the store"
+        elif not deleted and not self.store.has_version(name, version):
+            forged = f"catalog {name!r} has no version {version} in the store"
         else:
+            forged = ""
+        if forged:
+            EVENTS_DROPPED.inc()
+            log.warning("dropped an event the store contradicts (%s): %s", forged, shown(data, 200))
+        elif deleted:
+            self.forget(name)
+        elif latest == version:
             self.announce(name, version)
+        # else another version was made the latest (or the catalog deleted) since: its own event follows
 
     def describe(self) -> list[dict]:
         with self._lock:

@@ -329,6 +329,9 @@ class CatalogStore:
                                                blob).encode() + blob
         self.r.set(self._key(name, "vectors", version, encoder_digest), blob)
 
+    def has_version(self, name: str, version: int) -> bool:
+        return bool(self.r.exists(self._key(name, "blob", version)))
+
     def info(self, name: str, version: int = 0) -> VersionInfo:
         version = self.resolve(name, version)
         raw, latest = self.r.mget(self._key(name, "info", version), self._key(name, "latest"))

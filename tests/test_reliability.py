@@ -289,6 +289,38 @@ def test_forged_events_are_dropped_and_the_follower_and_health_survive(tmp_path,
         s.close()
 
 
+def test_events_the_store_contradicts_are_dropped_and_change_nothing(tmp_path, small_tokenizer_dir, redis_url,
+                                                                     caplog):
+    """Before: an event naming a real catalog and a version never published became the catalog's wanted version: a
+    load that failed, a catalog never settled, and a load in progress for a real version abandoned for it; a forged
+    deletion stopped serving a catalog still in the store. Now each is counted and logged once, clipped."""
+    encoder = GatedEncoder()
+    s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, encoder=encoder)
+    huge = [{"name": f"huge_{i}", "description": f"huge tool {i}"} for i in range(40)]
+    try:
+        s.store.publish("events", trie_of(s.tok, TOOLS[:5]))
+        s.store.publish("loading", trie_of(s.tok, huge))     # its load waits at encoder.gate meanwhile
+        s.start()
+        wait_until(lambda: "texts' vectors" in s.catalogs._stage.get(("loading", 1), ""), 10, "a load under way")
+        dropped = catalogs.EVENTS_DROPPED._value.get()
+        caplog.clear()
+        for forged in ({"name": "events", "version": 7, "event": "publish" + "x" * 5000},
+                       {"name": "loading", "version": 2, "event": "rollback"}, {"name": "events", "event": "delete"}):
+            s.store.r.publish(s.store.channel, json.dumps(forged))
+        wait_until(lambda: catalogs.EVENTS_DROPPED._value.get() == dropped + 3, 10, "three events dropped")
+        assert s.catalogs.latest == {"events": 1} and s.catalogs.wanted == {"events": 1, "loading": 1}
+        assert discover(s.stub(), catalog="events", intent="weather", k=1)[0].version == 1
+        lines = [r.getMessage() for r in caplog.records if "dropped an event" in r.getMessage()]
+        assert len(lines) == 3 and all(len(line) < 500 for line in lines)
+        assert "catalog 'events' has no version 7 in the store" in lines[0]
+        assert "catalog 'events' is still in the store" in lines[2]
+        encoder.gate.set()
+        wait_until(lambda: s.catalogs.settled() and s.catalogs.latest.get("loading") == 1, 30, "the load finished")
+    finally:
+        encoder.gate.set()
+        s.close()
+
+
 def test_a_port_in_use_is_refused_with_one_clear_line(tmp_path, redis_url):
     """Before: gRPC's SO_REUSEPORT let a second server bind the same port silently, and a client could reach a
     stack it did not start."""
