@@ -248,7 +248,8 @@ def gemm_arguments(p) -> None:
 
 
 def gemm(args) -> None:
-    from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend, RowPlan
+    from decoder_service.model.cuda.backend import TILE_ROWS, CudaBackend
+    from decoder_service.model.cuda.plan import RowPlan
     from decoder_service.model.cuda.kernels import GEMM_KINDS
     from decoder_service.model.kv_pool import KVPoolSpec
     rows = ints(args.rows)

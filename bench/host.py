@@ -167,7 +167,8 @@ def host_step_arguments(p) -> None:
 
 
 def host_step(args) -> None:
-    from decoder_service.model.cuda.backend import MMA_SPLIT, MQ, TP, attention_plan
+    from decoder_service.model.cuda.attention import MMA_SPLIT, MQ, TP
+    from decoder_service.model.cuda.plan import attention_plan
     # CudaBackend's prompt-tile plan for SmolLM2 (9 query heads on 3 KV heads: MQ // 3 rows a tile) on the
     # H200, where CudaBackend._most_splits gives 10 (P63)
     smollm2_tiles = (MQ // 3, MMA_SPLIT, 10, TP)
@@ -209,7 +210,7 @@ def swap(args) -> None:
     retrieval stage alone, a version's first query against its steady median (host work the first request
     would pay, measurable on the CPU too). MetaTool's tools in a new order make each new version. The request
     rows are a GPU measurement; on the CPU the forward pass drowns them."""
-    from decoder_service.catalogs import CatalogManager
+    from decoder_service.catalogs import CatalogManager, CatalogState
     from compiler_service.compiler import compile_catalog
     from shared.catalog import catalog_from_entries
     from shared.dataset import catalog_path
@@ -251,7 +252,7 @@ def swap(args) -> None:
         engine.make_resident = hook
         extra = []
         for version in versions:
-            manager.wanted["demo"] = version
+            manager.catalog_states.setdefault("demo", CatalogState("demo")).wanted = version
             manager.make_default("demo", version)
             engine.run_until_idle()          # what the engine thread does at the switch
             first = request()

@@ -1,10 +1,10 @@
-"""Which attention kernel takes each row (decoder_service.model.cuda.backend.attention_plan): the row's
+"""Which attention kernel takes each row (decoder_service.model.cuda.plan.attention_plan): the row's
 kind and position decide, never its batch mates; prompt rows from `tile_from` on go in row tiles, each
 tile's rows at one split of their context (prompt_split), a function of the position alone."""
 import numpy as np
 
 from decoder_service.model.batch import StepBatch
-from decoder_service.model.cuda.backend import attention_plan, prompt_split
+from decoder_service.model.cuda.plan import attention_plan, prompt_split
 from decoder_service.model.cuda.attention import TP
 
 
@@ -85,7 +85,7 @@ _STEPS_AFTER_THE_HELPERS = """
 import json
 import numpy as np
 from decoder_service.model.batch import StepBatch, _first_fault
-from decoder_service.model.cuda.backend import _cut_tiles, attention_plan, compile_step_helpers
+from decoder_service.model.cuda.plan import _cut_tiles, attention_plan, compile_step_helpers
 from decoder_service.model.cuda.attention import TP
 compile_step_helpers(16, 64, 1000, 3, TP, 64)
 compiled = (len(_first_fault.signatures), len(_cut_tiles.signatures))
