@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 import uuid
-from collections import Counter
+from dataclasses import dataclass
 
 import redis
 from prometheus_client import Counter as MetricCounter, Gauge
@@ -97,76 +97,150 @@ def verify_trie(name: str, version: int, blob: bytes, vocab_size: int, tokenizer
     return trie
 
 
+@dataclass(eq=False)
+class VersionState:
+    """One catalog version in this decoder, from the moment it is announced or asked for until it is released: how
+    far its load is, what the load made (the runtime: its trie, its retriever with the tool vectors, its warm prompt
+    prefix), why its blob was refused, and the requests that pin it. Read and written under the manager's lock."""
+    name: str
+    version: int
+    tools: int | None = None          # its tool count as its info record says (smaller versions load first)
+    queued: bool = False              # announced as its catalog's default, its load not begun
+    stage: str = "queued"             # how far its load is, for a caller who asks
+    load_ended: threading.Event | None = None   # while a load of it is under way: set when that load ends
+    runtime: CatalogRuntime | None = None       # once loaded
+    refused: str = ""                 # why its stored blob failed verification
+    requests: int = 0                 # requests that pin it
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.name, self.version
+
+    @property
+    def pending(self) -> bool:
+        """Announced or loading: a larger version's load gives way to it."""
+        return self.queued or self.load_ended is not None
+
+    @property
+    def held(self) -> bool:
+        """Loaded, loading or pinned: leased in the store, never trimmed."""
+        return self.runtime is not None or self.load_ended is not None or self.requests > 0
+
+
+@dataclass(eq=False)
+class CatalogState:
+    """One catalog in this decoder: the version new requests get, the newest one announced, why it is not served."""
+    name: str
+    default: int | None = None        # the version new requests get, once one is loaded
+    wanted: int | None = None         # the newest announced default, in event order
+    refused: str = ""                 # why its wanted version is not served
+    deleted: bool = False             # deleted from the store: NOT_SERVING until published again
+    worker: bool = False              # a worker is bringing its default to the wanted version
+
+
 class CatalogManager:
+    """The catalogs and versions this decoder serves, one CatalogState and one VersionState each, under one lock."""
+
     def __init__(self, store: CatalogStore, engine: DecodeEngine, names: list[str] | None = None,
                  warm_timeout: float = 600.0, encoder=None, lease_seconds: float = 60.0):
         self.store, self.engine, self.names, self.warm_timeout = store, engine, names, warm_timeout
         self.encoder = encoder
         self.lease_seconds = lease_seconds
         self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-        self._leased: set[tuple[str, int]] = set()
-        self._workers: set[str] = set()   # catalogs whose default is being brought to the wanted version
+        self.catalog_states: dict[str, CatalogState] = {}
+        self.version_states: dict[tuple[str, int], VersionState] = {}
         self.started = threading.Event()  # set once the first pass over the store has finished
-        self.loaded: dict[tuple[str, int], CatalogRuntime] = {}
-        self.latest: dict[str, int] = {}
-        self.wanted: dict[str, int] = {}  # the newest announced default per catalog, in event order
-        self.refused: dict[str, str] = {}  # catalog -> why its wanted version is not served
-        self.refused_versions: dict[tuple[str, int], str] = {}  # versions whose blob failed verification
-        self.deleted: set[str] = set()   # catalogs deleted from the store: NOT_SERVING until published again
-        self.active: Counter = Counter()
+        self._leased: set[tuple[str, int]] = set()   # the versions this decoder's leases in the store name
         self._lock = threading.Lock()
-        self._loading: dict[tuple[str, int], threading.Event] = {}
-        self._tools: dict[tuple[str, int], int] = {}   # a loading version's tools, once its blob is read
         self._changed = threading.Condition(self._lock)   # a load ended, or the last request in flight did
-        self._stage: dict[tuple[str, int], str] = {}   # how far a version's load is, for a caller who asks for it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def _catalog(self, name: str) -> CatalogState:
+        return self.catalog_states.setdefault(name, CatalogState(name))
+
+    def _version(self, name: str, version: int) -> VersionState:
+        return self.version_states.setdefault((name, version), VersionState(name, version))
+
+    def _default_of(self, name: str) -> int | None:
+        catalog = self.catalog_states.get(name)
+        return catalog.default if catalog else None
+
+    def _drop_if_idle(self, state: VersionState) -> None:
+        """Forget a version that holds nothing any more (not loaded, loading, pinned, announced nor refused)."""
+        if not (state.held or state.queued or state.refused):
+            self.version_states.pop(state.key, None)
+
+    # --- what the decoder serves -----------------------------------------------------------------
+    def default_version(self, name: str) -> int | None:
+        with self._lock:
+            return self._default_of(name)
+
+    def defaults(self) -> dict[str, int]:
+        """Each served catalog's default version."""
+        with self._lock:
+            return {n: c.default for n, c in self.catalog_states.items() if c.default is not None}
+
+    def loaded(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return {k for k, v in self.version_states.items() if v.runtime is not None}
+
+    def stage(self, name: str, version: int) -> str:
+        """How far a version's load is ("queued" when none is under way)."""
+        with self._lock:
+            state = self.version_states.get((name, version))
+            return state.stage if state else "queued"
 
     # --- requests ------------------------------------------------------------------------------
     def acquire(self, name: str, version: int = 0) -> CatalogRuntime:
         """The version a request pins (the default when 0), loaded on demand; release() it after."""
         with self._lock:
             if not version:
-                if name not in self.latest:
-                    if name in self.refused:
-                        raise CatalogRefused(self.refused[name])
-                    if name in self.wanted:
-                        key = (name, self.wanted[name])
-                        raise CatalogLoading(f"catalog {name!r} v{key[1]} is loading "
-                                             f"({self._stage.get(key, 'queued')}); retry shortly")
+                catalog = self.catalog_states.get(name, CatalogState(name))
+                if catalog.default is None:
+                    if catalog.refused:
+                        raise CatalogRefused(catalog.refused)
+                    if catalog.wanted is not None:
+                        wanted = self.version_states.get((name, catalog.wanted))
+                        raise CatalogLoading(f"catalog {name!r} v{catalog.wanted} is loading "
+                                             f"({wanted.stage if wanted else 'queued'}); retry shortly")
                     if not self.started.is_set():
                         raise CatalogLoading("the decoder is still reading the store's catalogs; retry shortly")
                     raise NotFound(f"no catalog named {name!r:.80} is loaded")
-                version = self.latest[name]
-            rt = self.loaded.get((name, version))
-            if rt is not None:
-                self.active[(name, version)] += 1
-                return rt
+                version = catalog.default
+            state = self.version_states.get((name, version))
+            if state is not None and state.runtime is not None:
+                state.requests += 1
+                return state.runtime
         rt = self.load(name, version)  # an explicit older version still in the store
         with self._lock:
-            if not self.active[(name, version)] and self.latest.get(name) != version:
+            state = self._version(name, version)
+            if not state.requests and self._default_of(name) != version:
                 self.engine.make_resident(rt, constant=False)   # first pinned: resident before its request
-            self.active[(name, version)] += 1
+            state.requests += 1
         return rt
 
     def release(self, rt: CatalogRuntime) -> None:
         with self._lock:
-            self.active[rt.key] -= 1
-            self._retire_if_unused(rt.key)
+            state = self.version_states[rt.key]
+            state.requests -= 1
+            self._retire_if_unused(state)
             if not self._requests_in_flight():
                 self._changed.notify_all()
 
     def _requests_in_flight(self) -> bool:
-        return any(n > 0 for n in self.active.values())
+        return any(v.requests > 0 for v in self.version_states.values())
 
-    def _retire_if_unused(self, key) -> None:
-        name, version = key
-        if self.active[key] <= 0 and self.latest.get(name) != version and key in self.loaded:
-            rt = self.loaded.pop(key)
-            del self.active[key]
+    def _retire_if_unused(self, state: VersionState | None) -> None:
+        """Release a loaded version no request pins that is not its catalog's default."""
+        if state is None:
+            return
+        if state.requests <= 0 and state.runtime is not None and self._default_of(state.name) != state.version:
+            rt, state.runtime = state.runtime, None
             self.engine.release_catalog(rt)
-            VERSIONS_LOADED.set(len(self.loaded))
-            log.info("released %s v%d", name, version)
+            self._drop_if_idle(state)
+            VERSIONS_LOADED.set(sum(v.runtime is not None for v in self.version_states.values()))
+            log.info("released %s v%d", state.name, state.version)
 
     def ready(self) -> bool:
         """Overall readiness (the decoder's health policy): the first pass over the store is done (every
@@ -174,59 +248,58 @@ class CatalogManager:
         default version. A catalog that is slow to load, refused or corrupt holds no other back; per
         catalog, see catalog_health()."""
         with self._lock:
-            return self.started.is_set() and bool(self.latest)
+            return self.started.is_set() and any(c.default is not None for c in self.catalog_states.values())
 
     def settled(self) -> bool:
         """Whether every catalog found has its newest announced version served, or is refused (nothing is
         loading)."""
         with self._lock:
-            return self.started.is_set() and not self._workers and all(
-                self.latest.get(n) == v or n in self.refused for n, v in self.wanted.items())
+            return self.started.is_set() and not any(c.worker for c in self.catalog_states.values()) and all(
+                c.default == c.wanted or c.refused for c in self.catalog_states.values() if c.wanted is not None)
 
     def catalog_health(self) -> dict[str, bool]:
         """Per catalog the decoder knows of: whether it has a ready default version (True) or not yet /
-        not at all (False: loading, or refused)."""
+        not at all (False: loading, refused or deleted)."""
         with self._lock:
-            names = set(self.latest) | set(self.wanted) | set(self.refused) | self.deleted
-            return {n: n in self.latest for n in names}
+            return {n: c.default is not None for n, c in self.catalog_states.items()}
 
     # --- loading -------------------------------------------------------------------------------
     def load(self, name: str, version: int, superseded=None) -> CatalogRuntime:
         """Fetch, verify and warm one version (once, however many callers ask at the same time).
         superseded() is asked between the stages of a default's load: when it says so, the load is
         abandoned (Superseded) for the newer version."""
-        key = (name, version)
         while True:
             with self._lock:
-                if key in self.loaded:
-                    return self.loaded[key]
-                pending = self._loading.get(key)
+                state = self._version(name, version)
+                if state.runtime is not None:
+                    return state.runtime
+                pending = state.load_ended
                 if pending is None:
-                    self._loading[key] = threading.Event()
+                    state.load_ended, state.queued = threading.Event(), False
                     break
             if not pending.wait(self.warm_timeout):
                 raise TimeoutError(f"catalog {name!r} v{version} did not load within {self.warm_timeout:.0f} s")
             with self._lock:
-                if key in self.loaded:
-                    return self.loaded[key]
-                if key in self.refused_versions:
-                    raise CatalogRefused(self.refused_versions[key])
+                if state.runtime is not None:
+                    return state.runtime
+                if state.refused:
+                    raise CatalogRefused(state.refused)
             # the other caller's load failed or was superseded: try it ourselves
         try:
             self._lease_now(name, version)
-            self._set_stage(key, "fetching its blob")
-            self._give_way(key, 0.0, self._tools_of(name, version))
-            trie = self._fetch_verified(name, version, lambda worked: self._give_way(key, worked))
+            self._set_stage(state, "fetching its blob")
+            self._give_way(state, 0.0, self._tools_of(name, version))
+            trie = self._fetch_verified(state, lambda worked: self._give_way(state, worked))
             if superseded and superseded():
                 raise Superseded(f"{name} v{version}")
             try:
                 retriever = self.retriever(name, version, trie, superseded)
-                self._set_stage(key, "warming its prompt prefix")
+                self._set_stage(state, "warming its prompt prefix")
                 rt = self.engine.load_catalog(trie, retriever)
             except (TokenizerMismatch, RequestError) as e:  # another tokenizer; a prefix past the context
                 REFUSED.inc()
                 with self._lock:
-                    self.refused[name] = str(e)
+                    self._catalog(name).refused = str(e)
                 raise CatalogRefused(str(e)) from e
             if not rt.ready.wait(self.warm_timeout):
                 raise TimeoutError(f"catalog {name!r} v{version} did not warm within {self.warm_timeout:.0f} s")
@@ -234,16 +307,16 @@ class CatalogManager:
                 self.engine.release_catalog(rt)
                 raise Superseded(f"{name} v{version}")
             with self._lock:
-                self.loaded[key] = rt
-                VERSIONS_LOADED.set(len(self.loaded))
+                state.runtime = rt
+                VERSIONS_LOADED.set(sum(v.runtime is not None for v in self.version_states.values()))
             log.info("loaded %s v%d: %d tools, %d prefix tokens warm in %.2f s, fusion weight %g", name, version,
                      len(trie.pointer_names), len(rt.prefix_ids), rt.warm_seconds, rt.fusion_weight)
             return rt
         finally:
             with self._lock:
-                self._loading.pop(key).set()
-                self._stage.pop(key, None)
-                self._tools.pop(key, None)
+                state.load_ended.set()
+                state.load_ended, state.stage = None, "queued"
+                self._drop_if_idle(state)
                 self._changed.notify_all()
 
     def _tools_of(self, name: str, version: int) -> int:
@@ -253,30 +326,33 @@ class CatalogManager:
         except (NotFound, redis.ConnectionError, redis.TimeoutError, ValueError, TypeError):
             return 0
 
-    def _give_way(self, key: tuple[str, int], worked: float, tools: int | None = None) -> None:
+    def _give_way(self, state: VersionState, worked: float, tools: int | None = None) -> None:
         """Between two stages of a load (its blob's checks, each slice of its vectors): wait (up to SMALLER_FIRST_S)
-        while a version with fewer tools is loading or announced (tools: this one's, recorded first), then while
+        while another catalog's version with fewer tools is loading or announced (tools: this one's, recorded first;
+        a version whose count is not known yet holds nothing back), then while
         requests are in flight, up to GIVE_WAY times as long as the stage just done took (`worked`, seconds). A
         catalog of a few tools is served in seconds, and its requests answered, instead of sharing the cores and
         the GIL with a huge one's checks and vectors; under steady traffic a load still runs a quarter of the
         time."""
-        def smaller_loading() -> bool:
-            mine = self._tools.get(key, 0)
-            return any(n < mine for other, n in self._tools.items() if other != key)
+        def smaller_pending() -> bool:
+            mine = state.tools or 0
+            return any(other.pending and other.tools is not None and other.tools < mine
+                       for other in self.version_states.values() if other.name != state.name)
         with self._lock:
             if tools is not None:
-                self._tools[key] = tools
-            self._changed.wait_for(lambda: not smaller_loading() or self._stop.is_set(), SMALLER_FIRST_S)
+                state.tools = tools
+            self._changed.wait_for(lambda: not smaller_pending() or self._stop.is_set(), SMALLER_FIRST_S)
             self._changed.wait_for(lambda: not self._requests_in_flight() or self._stop.is_set(),
                                    GIVE_WAY * worked)
 
-    def _set_stage(self, key: tuple[str, int], stage: str) -> None:
+    def _set_stage(self, state: VersionState, stage: str) -> None:
         with self._lock:
-            self._stage[key] = stage
+            state.stage = stage
 
-    def _fetch_verified(self, name: str, version: int, between) -> Trie:
+    def _fetch_verified(self, state: VersionState, between) -> Trie:
         """The stored blob of one version, verified (BlobRejected -> CatalogRefused, logged and counted);
         between(seconds the step took) is called after the fetch and after each of verify_trie's checks."""
+        name, version = state.key
         tok = self.engine.tok
         vocab = tok.tokenizer.get_vocab_size(with_added_tokens=True)
         model_vocab = getattr(getattr(self.engine.backend, "cfg", None), "vocab_size", None)
@@ -292,8 +368,7 @@ class CatalogManager:
             log.error("refused %s v%d: %s", name, version, e)
             message = f"catalog {name!r} v{version} is refused: its stored blob failed verification ({e})"
             with self._lock:
-                self.refused[name] = message
-                self.refused_versions[(name, version)] = message
+                self._catalog(name).refused = state.refused = message
             raise CatalogRefused(message) from None
         except NotFound:
             raise
@@ -305,7 +380,7 @@ class CatalogManager:
     # --- leases: the store never trims a version this decoder holds -----------------------------
     def held_versions(self) -> set[tuple[str, int]]:
         with self._lock:
-            return set(self.loaded) | set(self._loading) | {k for k, n in self.active.items() if n > 0}
+            return {k for k, v in self.version_states.items() if v.held}
 
     def _lease_now(self, name: str, version: int) -> None:
         try:
@@ -353,16 +428,18 @@ class CatalogManager:
                 BLOBS_REJECTED.labels(e.reason).inc()
             log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
         if vectors is None:
+            with self._lock:   # a version this manager is not loading (a caller of its own) reports to no one
+                state = self.version_states.get((name, version)) or VersionState(name, version)
             sliced = time.perf_counter()
 
             def progress(done: int, total: int) -> None:
                 nonlocal sliced
-                self._set_stage((name, version), f"{100 * done // total}% of its {total} texts' vectors")
+                self._set_stage(state, f"{100 * done // total}% of its {total} texts' vectors")
                 if superseded and superseded():
                     raise Superseded(f"{name} v{version}")
-                self._give_way((name, version), time.perf_counter() - sliced)
+                self._give_way(state, time.perf_counter() - sliced)
                 sliced = time.perf_counter()
-            self._set_stage((name, version), "computing its tool vectors")
+            self._set_stage(state, "computing its tool vectors")
             started = time.perf_counter()
             vectors, blob = computed_vectors(trie, self.encoder, progress)
             VECTORS.labels("computed").inc()
@@ -380,43 +457,50 @@ class CatalogManager:
         version's tool count, when the caller read it) is recorded before the worker starts, so that a larger
         version announced beside it waits for it from the first instant (_give_way)."""
         with self._lock:
-            self.wanted[name] = version
-            self.deleted.discard(name)
-            for key in [k for k in self._tools if k[0] == name and k not in self._loading]:
-                del self._tools[key]   # queued for an older announcement of this catalog: not loading
+            catalog = self._catalog(name)
+            catalog.wanted, catalog.deleted = version, False
+            for state in [v for v in self.version_states.values() if v.name == name and v.queued]:
+                state.queued = False          # queued for an older announcement of this catalog: not loading
+                self._drop_if_idle(state)
+            state = self._version(name, version)
+            if state.runtime is None and state.load_ended is None:
+                state.queued = True
             if tools is not None:
-                self._tools[(name, version)] = tools
-            if name in self._workers:
+                state.tools = tools
+            if catalog.worker:
                 return
-            self._workers.add(name)
+            catalog.worker = True
         threading.Thread(target=self._default_worker, args=(name,), daemon=True,
                          name=f"tooltrie-default-{name}").start()
 
     def _default_worker(self, name: str) -> None:
+        catalog = self.catalog_states[name]
         try:
             while True:
                 with self._lock:
-                    version = self.wanted[name]
+                    version = catalog.wanted
                 self.make_default(name, version)
                 with self._lock:
-                    if self.wanted.get(name, version) == version:   # absent: the catalog was deleted
-                        self._workers.discard(name)
+                    if catalog.wanted in (None, version):   # None: the catalog was deleted
+                        catalog.worker = False
                         return
         except BaseException:
             with self._lock:
-                self._workers.discard(name)
+                catalog.worker = False
             raise
 
     def make_default(self, name: str, version: int) -> None:
         """Load (if needed) and make version the default for new requests; retire the old default. Any
         failure of this catalog's load is logged and leaves every other catalog untouched."""
         with self._lock:
-            self.wanted.setdefault(name, version)
+            catalog = self._catalog(name)
+            if catalog.wanted is None:
+                catalog.wanted = version
         try:
-            rt = self.load(name, version, superseded=lambda: self.wanted.get(name, version) != version)
+            rt = self.load(name, version, superseded=lambda: catalog.wanted not in (None, version))
         except Superseded:
             SUPERSEDED.inc()
-            log.info("%s v%d superseded by v%s while loading", name, version, self.wanted.get(name))
+            log.info("%s v%d superseded by v%s while loading", name, version, catalog.wanted)
             return
         except (NotFound, CatalogRefused, TimeoutError) as e:
             log.error("not serving %s v%d: %s", name, version, e)
@@ -424,33 +508,31 @@ class CatalogManager:
         except Exception:  # one catalog's failure must not stop the others
             log.exception("not serving %s v%d", name, version)
             with self._lock:
-                self.refused.setdefault(name, f"catalog {name!r} v{version} could not be loaded")
+                catalog.refused = catalog.refused or f"catalog {name!r} v{version} could not be loaded"
             return
         with self._lock:
-            old = self.latest.get(name)
-            if old == version or self.wanted.get(name) != version:
-                self._retire_if_unused((name, version))  # superseded while it was loading
+            old = catalog.default
+            if old == version or catalog.wanted != version:
+                self._retire_if_unused(self.version_states.get((name, version)))  # superseded while it was loading
                 return
             self.engine.make_resident(rt)   # bound before any request that sees the new default is queued
-            self.latest[name] = version
-            self.refused.pop(name, None)
+            catalog.default, catalog.refused = version, ""
             SWAPS.inc()
             log.info("default of %s is now v%d (was v%s)", name, version, old)
             if old is not None:
-                self._retire_if_unused((name, old))
+                self._retire_if_unused(self.version_states.get((name, old)))
 
     def forget(self, name: str) -> None:
         """Drop a catalog deleted from the store: no longer a default (a Discover on it is NOT_FOUND), nor
         loading; each of its versions is released when its last request ends."""
         with self._lock:
-            for table in (self.latest, self.wanted, self.refused):
-                table.pop(name, None)
-            self.refused_versions = {k: v for k, v in self.refused_versions.items() if k[0] != name}
-            self.deleted.add(name)
-            for key in [k for k in self._tools if k[0] == name and k not in self._loading]:
-                del self._tools[key]
-            for key in [k for k in self.loaded if k[0] == name]:
-                self._retire_if_unused(key)
+            catalog = self._catalog(name)
+            catalog.default = catalog.wanted = None
+            catalog.refused, catalog.deleted = "", True
+            for state in [v for v in self.version_states.values() if v.name == name]:
+                state.queued, state.refused = False, ""
+                self._retire_if_unused(state)
+                self._drop_if_idle(state)
         log.info("catalog %s deleted: no longer served", name)
 
     def reconcile(self) -> None:
@@ -458,7 +540,8 @@ class CatalogManager:
         outage, so an announcement missed while disconnected is not lost, a deletion included). Each catalog
         loads on its own worker (announce), the smallest first: a slow one holds no other back."""
         with self._lock:
-            known = set(self.latest) | set(self.wanted)
+            known = {n for n, c in self.catalog_states.items() if c.default is not None or c.wanted is not None}
+            defaults = {n: c.default for n, c in self.catalog_states.items()}
         stale = []
         for name in sorted(set(self.names or self.store.catalog_names()) | known):
             try:
@@ -472,7 +555,7 @@ class CatalogManager:
             except ValueError as e:  # a damaged latest pointer: this catalog only
                 log.error("catalog %s: its latest pointer is damaged (%s)", name, e)
                 continue
-            if self.latest.get(name) != version:
+            if defaults.get(name) != version:
                 stale.append((self._tools_of(name, version), name, version))
         for tools, name, version in sorted(stale):
             self.announce(name, version, tools)
@@ -550,6 +633,6 @@ class CatalogManager:
 
     def describe(self) -> list[dict]:
         with self._lock:
-            return [{**rt.describe(), "latest": self.latest.get(name) == version,
-                     "active_requests": self.active[(name, version)]}
-                    for (name, version), rt in sorted(self.loaded.items())]
+            return [{**v.runtime.describe(), "latest": self._default_of(v.name) == v.version,
+                     "active_requests": v.requests}
+                    for _, v in sorted(self.version_states.items()) if v.runtime is not None]

@@ -101,7 +101,7 @@ def stack(tmp_path_factory, small_tokenizer_dir, redis_url):
     s.store.publish("good", trie_of(s.tok, TOOLS[:20]))
     s.store.publish("other", trie_of(s.tok, TOOLS[10:30]))
     s.start()
-    wait_until(lambda: set(s.catalogs.latest) == {"good", "other"}, 30, "both catalogs")
+    wait_until(lambda: set(s.catalogs.defaults()) == {"good", "other"}, 30, "both catalogs")
     yield s
     s.close()
 
@@ -133,7 +133,7 @@ def test_a_tampered_new_version_is_refused_and_the_served_one_keeps_serving(stac
     """A new version of 'good' whose stored blob was changed after publishing: refused (log line, metric),
     the catalog keeps answering from its served version with its own names, and 'other' is untouched."""
     store, stub = stack.store, stack.stub()
-    served = stack.catalogs.latest["good"]
+    served = stack.catalogs.default_version("good")
     before = rejected(reason)
     with pytest.MonkeyPatch.context() as mp:   # publish without announcing, then tamper and announce
         # the announcement goes to a channel nobody follows (publish sends it inside its MULTI)
@@ -141,7 +141,7 @@ def test_a_tampered_new_version_is_refused_and_the_served_one_keeps_serving(stac
         info, _ = store.publish("good", trie_of(stack.tok, TOOLS[2:22] + [{"name": f"new_{len(case)}"}]))
     tamper(store, "good", info.version, change, fix_digest)
     wait_until(lambda: rejected(reason) > before, 20, "the refusal")
-    assert stack.catalogs.latest["good"] == served
+    assert stack.catalogs.default_version("good") == served
     accepted, pointers = discover(stub, catalog="good", intent="weather", k=3)
     assert accepted.version == served and {p.name for p in pointers} <= {t["name"] for t in TOOLS[:20]}
     err = failure(stub, catalog="good", version=info.version, intent="weather", k=1)
@@ -187,8 +187,9 @@ def test_a_signed_store_refuses_unsigned_blobs(tmp_path, small_tokenizer_dir, re
         compiler.publish("signed", trie_of(s.tok, TOOLS[:6]))
         CatalogStore(s.store.r, s.ns).publish("forged", trie_of(s.tok, TOOLS[6:12]))
         s.start()
-        wait_until(lambda: "forged" in s.catalogs.refused, 20, "the forged catalog refused")
-        assert s.catalogs.latest == {"signed": 1}
+        wait_until(lambda: "forged" in s.catalogs.catalog_states and s.catalogs.catalog_states["forged"].refused, 20,
+                   "the forged catalog refused")
+        assert s.catalogs.defaults() == {"signed": 1}
         assert "not signed" in failure(s.stub(), catalog="forged", intent="x", k=1).details()
     finally:
         s.close()

@@ -64,7 +64,7 @@ def main() -> None:
     import numpy as np
 
     from compiler_service.compiler import compile_catalog
-    from decoder_service.catalogs import CatalogManager
+    from decoder_service.catalogs import CatalogManager, CatalogState
     from decoder_service.engine.cuda_sampler import DeviceSampler
     from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.engine.sampler import HostSampler
@@ -111,7 +111,7 @@ def main() -> None:
         manager.load = lambda name, version, superseded=None: runtimes[version]
         pick = (lambda: manager.acquire("demo")) if managed else None
         if managed:
-            manager.wanted["demo"] = 1   # as announce() records it
+            manager.catalog_states["demo"] = CatalogState("demo", wanted=1)   # as announce() records it
             order["switched"]["1"] = order["steps"]
             manager.make_default("demo", 1)
         first = [engine.submit(pick() if managed else runtimes[1], intent, k) for intent, k in before]
@@ -133,7 +133,7 @@ def main() -> None:
         if managed:
             staged = order["picks"][-1]   # the last picks staged before the swap: stepped ahead of until the bind,
             order["guard"] = [engine.sampler.next_tokens(staged) is not None]   # never after it
-            manager.wanted["demo"] = 2
+            manager.catalog_states["demo"].wanted = 2
             order["switched"]["2"] = order["steps"]
             manager.make_default("demo", 2)
             engine.step()   # the next step drains the bind

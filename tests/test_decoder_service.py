@@ -157,7 +157,7 @@ def test_hot_swap_under_load(stack):
     assert len(answers) >= 20
     for version, names in answers:
         assert set(names) <= names_of[version], (version, names)
-    assert {v for v, _ in answers} - {1} and stack["catalogs"].latest["demo"] == info.version - 2
+    assert {v for v, _ in answers} - {1} and stack["catalogs"].default_version("demo") == info.version - 2
 
 
 def test_python_clients_and_cli(stack, capsys):
@@ -225,7 +225,7 @@ def test_an_explicit_older_version_is_served_on_demand(stack):
     old, _ = store.publish("ondemand", tries(stack["tok"], TOOLS[:8]))
     new, _ = store.publish("ondemand", tries(tok, TOOLS[8:16]))
     wait = time.monotonic() + 20
-    while stack["catalogs"].latest.get("ondemand") != new.version:
+    while stack["catalogs"].default_version("ondemand") != new.version:
         assert time.monotonic() < wait
         time.sleep(0.05)
     accepted, pointers, _ = discover(stub, catalog="ondemand", version=old.version, intent="x", k=2)

@@ -56,24 +56,24 @@ def test_a_request_in_flight_finishes_then_the_deleted_catalog_is_not_found(stac
     publish(compiler, "gone", TOOLS[:12])
     publish(compiler, "kept", TOOLS[12:24])
     s.start()
-    wait_until(lambda: {"gone", "kept"} <= set(s.catalogs.latest), 30, "both catalogs served")
+    wait_until(lambda: {"gone", "kept"} <= set(s.catalogs.defaults()), 30, "both catalogs served")
     gate = threading.Event()
     try:
         hold_retrieval(s, gate, "held weather")
         first = s.stub().Discover(decoder_pb2.DiscoverRequest(catalog="gone", intent="held weather", k=2), timeout=60)
-        wait_until(lambda: s.catalogs.active[("gone", 1)] == 1, 10, "the request in flight, pinning v1")
+        wait_until(lambda: s.catalogs.version_states[("gone", 1)].requests == 1, 10, "the request in flight, on v1")
         assert tooltrie(addr, "delete", "gone") == 0
         assert capsys.readouterr().out.strip() == "deleted: gone (1 version)"
-        wait_until(lambda: "gone" not in s.catalogs.latest, 10, "the decoder to drop the catalog")
+        wait_until(lambda: s.catalogs.default_version("gone") is None, 10, "the decoder to drop the catalog")
         err = failure(s.stub(), catalog="gone", intent="weather", k=1)
         assert err is not None and err.code() == grpc.StatusCode.NOT_FOUND, err
         wait_until(lambda: check(s.addr, "tooltrie.catalog.gone") == health_pb2.HealthCheckResponse.NOT_SERVING,
                    5, "the deleted catalog NOT_SERVING")
-        assert ("gone", 1) in s.catalogs.loaded, "released under its request"
+        assert ("gone", 1) in s.catalogs.loaded(), "released under its request"
         gate.set()
         events = list(first)
         assert events[0].accepted.version == 1 and events[-1].HasField("done") and len(events) == 4
-        wait_until(lambda: ("gone", 1) not in s.catalogs.loaded, 10, "v1 released once its request ended")
+        wait_until(lambda: ("gone", 1) not in s.catalogs.loaded(), 10, "v1 released once its request ended")
     finally:
         gate.set()
     assert discover(s.stub(), catalog="kept", intent="weather", k=2)[0].catalog == "kept"
@@ -108,16 +108,16 @@ def test_publishing_a_deleted_name_again_starts_a_fresh_catalog(stack):
     publish(compiler, "again", TOOLS[:6])
     publish(compiler, "again", TOOLS[:7])
     s.start()
-    wait_until(lambda: s.catalogs.latest.get("again") == 2, 30, "v2 served")
+    wait_until(lambda: s.catalogs.default_version("again") == 2, 30, "v2 served")
     assert compiler.Delete(pb.DeleteRequest(name="again"), metadata=GOOD).versions == 2
-    wait_until(lambda: "again" not in s.catalogs.latest, 10, "the decoder to drop the catalog")
+    wait_until(lambda: s.catalogs.default_version("again") is None, 10, "the decoder to drop the catalog")
     reply = compiler.Publish(pb.PublishRequest(name="again", registry_json=json.dumps(TOOLS[:6])), metadata=GOOD)
     assert reply.created and reply.version.version == 3
     assert [v.version for v in compiler.ListVersions(pb.ListVersionsRequest(name="again")).versions] == [3]
     with pytest.raises(grpc.RpcError) as err:
         compiler.SetLatest(pb.SetLatestRequest(name="again", version=1), metadata=GOOD)
     assert err.value.code() == grpc.StatusCode.NOT_FOUND
-    wait_until(lambda: s.catalogs.latest.get("again") == 3, 30, "the new catalog served")
+    wait_until(lambda: s.catalogs.default_version("again") == 3, 30, "the new catalog served")
     assert discover(s.stub(), catalog="again", intent="weather", k=2)[0].version == 3
     wait_until(lambda: check(s.addr, "tooltrie.catalog.again") == health_pb2.HealthCheckResponse.SERVING, 10,
                "its health SERVING (the follower's next pass)")
@@ -130,7 +130,7 @@ def test_a_delete_missed_while_disconnected_is_caught_up_on_reconnect(stack):
     s.start()
     s.store.r.delete(s.store._key("missed", "latest"))   # as if the delete's announcement never arrived
     s.catalogs.reconcile()
-    assert "missed" not in s.catalogs.latest and ("missed", 1) not in s.catalogs.loaded
+    assert s.catalogs.default_version("missed") is None and ("missed", 1) not in s.catalogs.loaded()
     assert failure(s.stub(), catalog="missed", intent="x", k=1).code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -140,4 +140,4 @@ def test_a_delete_event_needs_a_catalog_name(stack):
     s.start()
     for event in ({"event": "delete"}, {"name": "bad name!", "event": "delete"}, {"name": "safe", "event": "drop"}):
         s.catalogs._on_event(json.dumps(event))
-    assert s.catalogs.latest == {"safe": 1}
+    assert s.catalogs.defaults() == {"safe": 1}

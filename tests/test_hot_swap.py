@@ -61,7 +61,7 @@ def test_a_newer_publish_supersedes_the_load_in_progress(tmp_path, small_tokeniz
             info, _ = s.store.publish("swap", trie_of(s.tok, TOOLS[i + 1:i + 11]))
             published = time.monotonic()
             time.sleep(0.15)
-        wait_until(lambda: s.catalogs.latest["swap"] == info.version, 10, "the newest version as the default")
+        wait_until(lambda: s.catalogs.default_version("swap") == info.version, 10, "the newest version as the default")
         assert time.monotonic() - published < 2.6, "the newest waited behind older loads"
         assert loaded[-1] == info.version and len(loaded) <= 3, loaded
         assert discover(s.stub(), catalog="swap", intent="x", k=1)[0].version == info.version
@@ -107,7 +107,7 @@ def test_retention_never_deletes_a_version_a_decoder_holds(tmp_path, small_token
         pinned = s.catalogs.acquire("kept", 1)
         for i in range(3):
             compiler.publish("kept", trie_of(s.tok, TOOLS[i + 8:i + 16]))
-        wait_until(lambda: s.catalogs.latest["kept"] == 4, 10, "v4 as the default")
+        wait_until(lambda: s.catalogs.default_version("kept") == 4, 10, "v4 as the default")
         assert s.store.r.exists(s.store._key("kept", "blob", 1)), "a pinned version was trimmed"
         assert discover(s.stub(), catalog="kept", version=1, intent="x", k=1)[0].version == 1
         s.catalogs.release(pinned)

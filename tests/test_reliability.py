@@ -56,7 +56,7 @@ def test_a_duplicate_request_id_is_refused_and_fails_no_other_request(tmp_path, 
                               timeout=60)
         wait_until(lambda: "retry-1" in s.servicer._live_ids, 10, "the first call in flight")
         s.store.publish("dup", trie_of(s.tok, TOOLS[:21]))   # the retry meets a new version
-        wait_until(lambda: s.catalogs.latest.get("dup") == 2, 30, "v2 the default")
+        wait_until(lambda: s.catalogs.default_version("dup") == 2, 30, "v2 the default")
         err = failure(stub, catalog="dup", intent="weather", k=2, request_id="retry-1")
         assert err is not None and err.code() == grpc.StatusCode.ALREADY_EXISTS, err
         assert "'retry-1' is already in flight" in err.details()
@@ -123,12 +123,13 @@ def test_a_slow_catalog_holds_no_other_back(tmp_path, small_tokenizer_dir, redis
         assert err.code() == grpc.StatusCode.UNAVAILABLE, err
         assert "catalog 'aaa-huge' v1 is loading (10% of its 80 texts' vectors)" in err.details()
         s.store.publish("aaa-huge", trie_of(s.tok, huge[:39]))
-        wait_until(lambda: s.catalogs.wanted.get("aaa-huge") == 2, 10, "v2 announced")
+        wait_until(lambda: getattr(s.catalogs.catalog_states.get("aaa-huge"), "wanted", None) == 2, 10,
+                   "v2 announced")
         encoder.gate.set()
-        wait_until(lambda: s.catalogs.latest.get("aaa-huge") == 2, 30, "v2 the default")
+        wait_until(lambda: s.catalogs.default_version("aaa-huge") == 2, 30, "v2 the default")
         assert encoder.huge_slices == 2 + 10     # v1: the slice before the gate and the one under way; v2: all
         assert discover(s.stub(), catalog="aaa-huge", intent="huge tool 3", k=1)[0].version == 2
-        assert ("aaa-huge", 1) not in s.catalogs.loaded
+        assert ("aaa-huge", 1) not in s.catalogs.loaded()
     finally:
         encoder.gate.set()
         s.close()
@@ -144,7 +145,7 @@ def test_a_larger_catalog_waits_for_a_smaller_one_from_the_first_instant(tmp_pat
     verified_blob, lease = s.store.verified_blob, s.store.lease
 
     def recording(name, version):
-        fetched.append((name, dict(s.catalogs.latest)))
+        fetched.append((name, s.catalogs.defaults()))
         return verified_blob(name, version)
 
     def slow_for_small(name, versions, holder, ttl):   # the small catalog's thread is the slower one to start
@@ -156,7 +157,7 @@ def test_a_larger_catalog_waits_for_a_smaller_one_from_the_first_instant(tmp_pat
         s.store.publish("aaa-huge", trie_of(s.tok, huge))
         s.store.publish("small", trie_of(s.tok, TOOLS[:10]))
         s.start(wait_ready=False)
-        wait_until(lambda: s.catalogs.latest.get("aaa-huge") == 1, 30, "the huge catalog served")
+        wait_until(lambda: s.catalogs.default_version("aaa-huge") == 1, 30, "the huge catalog served")
         assert fetched == [("small", {}), ("aaa-huge", {"small": 1})]
     finally:
         s.close()
@@ -186,15 +187,16 @@ def test_a_load_gives_way_to_requests_in_flight(tmp_path, small_tokenizer_dir, r
         s.start()
         hold_retrieval(s, gate, "held weather")
         held = s.stub().Discover(pb.DiscoverRequest(catalog="small", intent="held weather", k=2), timeout=60)
-        wait_until(lambda: s.catalogs.active[("small", 1)] == 1, 10, "the request in flight")
+        wait_until(lambda: s.catalogs.version_states[("small", 1)].requests == 1, 10, "the request in flight")
         s.store.publish("huge", trie_of(s.tok, [{"name": f"huge_{i}", "description": f"huge tool {i}"}
                                                 for i in range(40)]))
-        wait_until(lambda: s.catalogs.wanted.get("huge") == 1, 10, "the huge catalog announced")
+        wait_until(lambda: getattr(s.catalogs.catalog_states.get("huge"), "wanted", None) == 1, 10,
+                   "the huge catalog announced")
         time.sleep(1.0)
-        assert encoder.huge_slices == 0 and "huge" not in s.catalogs.latest
+        assert encoder.huge_slices == 0 and s.catalogs.default_version("huge") is None
         gate.set()
         assert list(held)[-1].HasField("done")
-        wait_until(lambda: s.catalogs.latest.get("huge") == 1, 30, "the huge catalog served once the request ended")
+        wait_until(lambda: s.catalogs.default_version("huge") == 1, 30, "the huge one served once the request ended")
         assert encoder.huge_slices == 10
     finally:
         gate.set()
@@ -301,21 +303,22 @@ def test_events_the_store_contradicts_are_dropped_and_change_nothing(tmp_path, s
         s.store.publish("events", trie_of(s.tok, TOOLS[:5]))
         s.store.publish("loading", trie_of(s.tok, huge))     # its load waits at encoder.gate meanwhile
         s.start()
-        wait_until(lambda: "texts' vectors" in s.catalogs._stage.get(("loading", 1), ""), 10, "a load under way")
+        wait_until(lambda: "texts' vectors" in s.catalogs.stage("loading", 1), 10, "a load under way")
         dropped = catalogs.EVENTS_DROPPED._value.get()
         caplog.clear()
         for forged in ({"name": "events", "version": 7, "event": "publish" + "x" * 5000},
                        {"name": "loading", "version": 2, "event": "rollback"}, {"name": "events", "event": "delete"}):
             s.store.r.publish(s.store.channel, json.dumps(forged))
         wait_until(lambda: catalogs.EVENTS_DROPPED._value.get() == dropped + 3, 10, "three events dropped")
-        assert s.catalogs.latest == {"events": 1} and s.catalogs.wanted == {"events": 1, "loading": 1}
+        assert s.catalogs.defaults() == {"events": 1}
+        assert {n: c.wanted for n, c in s.catalogs.catalog_states.items()} == {"events": 1, "loading": 1}
         assert discover(s.stub(), catalog="events", intent="weather", k=1)[0].version == 1
         lines = [r.getMessage() for r in caplog.records if "dropped an event" in r.getMessage()]
         assert len(lines) == 3 and all(len(line) < 500 for line in lines)
         assert "catalog 'events' has no version 7 in the store" in lines[0]
         assert "catalog 'events' is still in the store" in lines[2]
         encoder.gate.set()
-        wait_until(lambda: s.catalogs.settled() and s.catalogs.latest.get("loading") == 1, 30, "the load finished")
+        wait_until(lambda: s.catalogs.settled() and s.catalogs.default_version("loading") == 1, 30, "the load finished")
     finally:
         encoder.gate.set()
         s.close()
