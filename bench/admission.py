@@ -20,7 +20,8 @@ from bench.common import device_label, ints
 from compiler_service.compiler import compile_catalog
 from decoder_service.engine.engine import Expired, QueueFull
 from decoder_service.engine.sequence import DoneEvent, FailedEvent
-from decoder_service.retrieval import Retriever, bm25_index, computed_vectors
+from decoder_service.retrieval.host import Retriever, bm25_index
+from decoder_service.retrieval.vectors import computed_vectors
 from devstack.stack import DEMO_REGISTRY
 from shared import dataset
 from shared.catalog import parse_registry

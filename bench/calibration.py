@@ -23,7 +23,7 @@ from bench.common import device_label
 from bench.quality import Harness, sample
 from compiler_service.compiler import compile_catalog
 from decoder_service.confidence import CALIBRATION_FILE, FEATURES, STAGES, Calibrator, features, fit_logistic
-from decoder_service.retrieval import SHORTLIST
+from decoder_service.retrieval.config import SHORTLIST
 from shared import dataset
 from shared.catalog import parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings

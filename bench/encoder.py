@@ -50,7 +50,7 @@ def median_s(fn, repeat: int) -> float:
 def parts_rows(enc, queries: list[str], repeat: int = 2) -> list[tuple[str, float, str]]:
     """Median seconds to tokenize a request's parts, over all the queries; to embed them, over the queries with one
     part and with several."""
-    from decoder_service.retrieval import intent_parts
+    from decoder_service.retrieval.host import intent_parts
     parts = [intent_parts(q) for q in queries]
     requests = [enc.token_ids(p) for p in parts]
     for r in requests:
@@ -121,7 +121,7 @@ def counted_calls(enc) -> list[int]:
 def concurrent_rows(enc, queries: list[str], clients: int) -> list[tuple[str, float, str]]:
     """Seconds a request for the queries' parts encoded from `clients` threads: through encode() (shared calls)
     and each request in a call of its own."""
-    from decoder_service.retrieval import intent_parts
+    from decoder_service.retrieval.host import intent_parts
     parts = [intent_parts(q) for q in queries]
     rows = []
     for what, fn in (("shared calls", enc.encode), ("a call each", lambda p: enc.backend.embed(enc.token_ids(p)))):
@@ -139,7 +139,7 @@ def concurrent_rows(enc, queries: list[str], clients: int) -> list[tuple[str, fl
 def beside_rows(enc, queries: list[str], texts: list[str]) -> list[tuple[str, float, str]]:
     """Median seconds of a request's encode() while `texts` (a version's tool vectors) are encoded on another
     thread, with the slowest and the texts' own time."""
-    from decoder_service.retrieval import intent_parts
+    from decoder_service.retrieval.host import intent_parts
     parts, spent, times = [intent_parts(q) for q in queries], [], []
     bulk = threading.Thread(target=lambda: spent.append(median_s(lambda: enc.encode(texts), 1)))
     bulk.start()
@@ -207,7 +207,7 @@ def encoder(args) -> None:
     rows.append((f"{len(texts)} tool texts", dt, f"{tokens} tokens, {tokens / dt:,.0f} tokens/s"))
     rows += beside_rows(enc, queries[:150], texts)
     if enc.backend_name == "cuda":
-        from decoder_service.retrieval import intent_parts
+        from decoder_service.retrieval.host import intent_parts
         several = next((p for p in map(intent_parts, queries) if len(p) >= 3), None)
         rows += launch_rows(enc.backend, [enc.token_ids(q) for q in (one, several) if q])
     result["timings_s"] = timings(rows)

@@ -23,7 +23,7 @@ import grpc
 from bench.common import device_label
 from bench.quality import Harness, groups, sample, score
 from compiler_service.server import SERVICE, CompilerServicer, guard
-from decoder_service.retrieval import SHORTLIST
+from decoder_service.retrieval.config import SHORTLIST
 from devstack.redis_server import LocalRedis, free_port
 from shared import dataset
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings

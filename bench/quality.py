@@ -37,8 +37,9 @@ from decoder_service.model.backend import device_name, make_backend, resolve_bac
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.retrieval import (DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT, Retriever, bm25_index,
-                                        computed_vectors, intent_parts, top_n)
+from decoder_service.retrieval.config import DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT
+from decoder_service.retrieval.host import Retriever, bm25_index, intent_parts, top_n
+from decoder_service.retrieval.vectors import computed_vectors
 from shared import dataset
 from shared.catalog import parse_registry
 from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings

@@ -48,7 +48,9 @@ from decoder_service.encoder import load_encoder
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.backend import device_name
 from decoder_service.model.kv_pool import KVPoolSpec
-from decoder_service.retrieval import SHORTLIST, Retriever, bm25_index, computed_vectors, intent_parts
+from decoder_service.retrieval.config import SHORTLIST
+from decoder_service.retrieval.host import Retriever, bm25_index, intent_parts
+from decoder_service.retrieval.vectors import computed_vectors
 from shared.config import DEFAULT_MODEL_DIR, Settings
 from shared.tokenizer import ModelTokenizer
 

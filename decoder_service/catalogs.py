@@ -22,7 +22,8 @@ from prometheus_client import Counter as MetricCounter, Gauge
 
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.engine import DecodeEngine, RequestError, TokenizerMismatch
-from decoder_service.retrieval import Retriever, bm25_index, computed_vectors, vectors_digest, vectors_from_blob
+from decoder_service.retrieval.host import Retriever, bm25_index
+from decoder_service.retrieval.vectors import ToolVectorCache
 from shared.catalog import CatalogError, check_catalog_name, clip, shown
 from shared.store import BlobRejected, CatalogStore, NotFound
 from shared.trie import Trie, TrieCorrupt
@@ -37,8 +38,6 @@ SUPERSEDED = MetricCounter("tooltrie_catalog_loads_superseded_total", "Loads of 
                            "newer one was announced")
 EVENTS_DROPPED = MetricCounter("tooltrie_catalog_events_dropped_total", "Messages on the events channel that name "
                                "no catalog version, or that the store contradicts (malformed or forged), dropped")
-VECTORS = MetricCounter("tooltrie_tool_vectors_total", "Catalog versions' tool vectors, by where they came from",
-                        ["source"])
 
 
 SMALLER_FIRST_S = 10.0   # the longest one stage of a version's load waits for a smaller version's load
@@ -145,6 +144,8 @@ class CatalogManager:
                  warm_timeout: float = 600.0, encoder=None, lease_seconds: float = 60.0):
         self.store, self.engine, self.names, self.warm_timeout = store, engine, names, warm_timeout
         self.encoder = encoder
+        self.vector_cache = (ToolVectorCache(store, encoder, lambda reason: BLOBS_REJECTED.labels(reason).inc())
+                             if encoder is not None else None)
         self.lease_seconds = lease_seconds
         self.holder = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.catalog_states: dict[str, CatalogState] = {}
@@ -410,23 +411,12 @@ class CatalogManager:
                 log.warning("leases not refreshed (%s)", e)
 
     def retriever(self, name: str, version: int, trie: Trie, superseded=None) -> Retriever:
-        """The version's retriever: its BM25 index from the blob, its tool vectors from the store, or
-        computed (once per version and encoder) and stored for the next start or replica; a computation that
-        superseded() ends is abandoned at its next slice (Superseded)."""
+        """The version's retriever: its BM25 index from the blob, its tool vectors from the store or computed (and
+        stored: ToolVectorCache); a computation that superseded() ends is abandoned at its next slice (Superseded)."""
         index, n = bm25_index(trie), len(trie.pointer_names)
-        if self.encoder is None:
+        if self.vector_cache is None:
             return Retriever(index, n)
-        digest = vectors_digest(self.encoder)
-        vectors = None
-        try:
-            blob = self.store.vectors(name, version, digest)
-            if blob is not None:
-                vectors = vectors_from_blob(blob, trie, digest, self.encoder.dim)
-                VECTORS.labels("store").inc()
-        except (redis.ConnectionError, redis.TimeoutError, ValueError) as e:
-            if isinstance(e, BlobRejected):
-                BLOBS_REJECTED.labels(e.reason).inc()
-            log.warning("%s v%d: stored tool vectors not used (%s); computing them", name, version, e)
+        vectors = self.vector_cache.stored(name, version, trie)
         if vectors is None:
             with self._lock:   # a version this manager is not loading (a caller of its own) reports to no one
                 state = self.version_states.get((name, version)) or VersionState(name, version)
@@ -440,14 +430,7 @@ class CatalogManager:
                 self._give_way(state, time.perf_counter() - sliced)
                 sliced = time.perf_counter()
             self._set_stage(state, "computing its tool vectors")
-            started = time.perf_counter()
-            vectors, blob = computed_vectors(trie, self.encoder, progress)
-            VECTORS.labels("computed").inc()
-            log.info("%s v%d: %d tool vectors computed in %.2f s", name, version, n, time.perf_counter() - started)
-            try:
-                self.store.put_vectors(name, version, digest, blob)
-            except (redis.ConnectionError, redis.TimeoutError) as e:
-                log.warning("%s v%d: tool vectors not stored (%s)", name, version, e)
+            vectors = self.vector_cache.computed(name, version, trie, progress)
         return Retriever(index, n, vectors, self.encoder)
 
     def announce(self, name: str, version: int, tools: int | None = None) -> None:

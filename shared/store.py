@@ -305,7 +305,7 @@ class CatalogStore:
         return blob
 
     def vectors(self, name: str, version: int, encoder_digest: str) -> bytes | None:
-        """A version's stored tool vectors for this encoder (decoder_service.retrieval's blob), or None; with a
+        """A version's stored tool vectors for this encoder (decoder_service.retrieval.vectors' blob), or None; with a
         signing key, only vectors signed with it for this version and encoder (else BlobRejected: a Redis
         writer must not choose what ranks first)."""
         stored = self.r.get(self._key(name, "vectors", version, encoder_digest))

@@ -79,7 +79,7 @@ def test_the_retrieval_table_times_the_intent_alone_and_its_parts_and_the_report
 
     from bench.serve import retrieval_table
     from bench.workload import Query
-    from decoder_service.retrieval import intent_parts
+    from decoder_service.retrieval.host import intent_parts
     from shared.tokenizer import ModelTokenizer
 
     class Recorder:

@@ -69,7 +69,7 @@ def test_a_version_tokenizes_its_lines_at_load(small_tokenizer_dir):
     is loaded (P86: a version's first request costs what any other does)."""
     from compiler_service.compiler import compile_catalog
     from decoder_service.engine.catalog_runtime import CatalogRuntime
-    from decoder_service.retrieval import Retriever, bm25_index
+    from decoder_service.retrieval.host import Retriever, bm25_index
     tok = ModelTokenizer(small_tokenizer_dir)
     trie = compile_catalog(parse_registry(catalog_path("metatool").read_text()), tok)
     rt = CatalogRuntime.from_trie(trie, Retriever(bm25_index(trie), len(trie.pointer_names)), tok, 16)

@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import decoder_service.catalogs as catalogs
-import decoder_service.retrieval as retrieval
+from decoder_service.retrieval.vectors import VECTOR_SLICE
 from decoder_stack import TOOLS, DecoderStack, discover, failure, trie_of, wait_until
 from devstack.redis_server import free_port
 from model_fixtures import make_serving_model
@@ -106,7 +106,7 @@ def test_a_slow_catalog_holds_no_other_back(tmp_path, small_tokenizer_dir, redis
     """Before: catalogs loaded one by one at start and the decoder was NOT_SERVING until all were; a small
     catalog behind a huge one answered "no catalog named" the whole time. Now each loads on its own, the huge
     one says how far it is, and a newer version of it supersedes the load in progress at its next slice."""
-    monkeypatch.setitem(retrieval.VECTOR_SLICE, "cpu", 8)
+    monkeypatch.setitem(VECTOR_SLICE, "cpu", 8)
     encoder = GatedEncoder()
     s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, encoder=encoder)
     huge = [{"name": f"huge_{i}", "description": f"huge tool {i}"} for i in range(40)]
@@ -177,7 +177,7 @@ def test_a_load_gives_way_to_requests_in_flight(tmp_path, small_tokenizer_dir, r
     """Before: a version's load ran its checks and vector slices beside requests in flight, on the same cores and
     GIL: on 2 cores a small catalog's first answer took 2.9 s beside a 100,000-tool load, 1 s alone. Now each stage
     of a load waits while requests are in flight (up to GIVE_WAY times the stage's own time: here unbounded)."""
-    monkeypatch.setitem(retrieval.VECTOR_SLICE, "cpu", 8)
+    monkeypatch.setitem(VECTOR_SLICE, "cpu", 8)
     monkeypatch.setattr(catalogs, "GIVE_WAY", 1e6)
     encoder = CountingEncoder()
     s = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, encoder=encoder)
@@ -352,7 +352,7 @@ def test_with_a_signing_key_forged_tool_vectors_are_refused_and_recomputed(redis
     """Before: the key signed the version's blob, not its stored vectors (checked by sha256 only, which a Redis
     writer recomputes): forged vectors made a chosen tool rank first for unrelated intents."""
     from decoder_service.catalogs import CatalogManager
-    from decoder_service.retrieval import Vectors, vectors_blob, vectors_digest
+    from decoder_service.retrieval.vectors import Vectors, vectors_blob, vectors_digest
     from shared.store import SIGNED, BlobRejected
     trie = trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:10])
     namespace = f"forged-{os.getpid()}"

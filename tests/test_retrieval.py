@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from compiler_service.compiler import compile_catalog
-from decoder_service.retrieval import (NEIGHBOURS, VECTORS_RECIPE, Retriever, Vectors, intent_parts, tool_vectors,
-                                       top_n, vectors_blob, vectors_digest, vectors_from_blob, written_request)
+from decoder_service.retrieval.config import NEIGHBOURS
+from decoder_service.retrieval.host import Retriever, intent_parts, top_n
+from decoder_service.retrieval.vectors import (VECTORS_RECIPE, Vectors, tool_vectors, vectors_blob, vectors_digest,
+                                               vectors_from_blob, written_request)
 from shared.bm25 import Bm25Index, terms, tool_terms
 from shared.catalog import parse_registry
 from shared.tokenizer import ModelTokenizer

@@ -1,4 +1,4 @@
-"""The device shortlist (retrieval_cuda: k_fuse, the requests' k_vote, k_add, k_top and k_merge) against the host's
+"""The device shortlist (retrieval/cuda.py: k_fuse, the requests' k_vote, k_add, k_top and k_merge) against the host's
 top_n, under numba's CUDA simulator (in a subprocess, as tests/sim_runner.py explains), and on a GPU where there is
 one."""
 from __future__ import annotations
@@ -26,8 +26,9 @@ def test_the_device_shortlist_is_the_hosts_on_the_gpu():
 
 
 def main() -> None:
-    from decoder_service.retrieval import NEIGHBOURS, VOTE_TEMPERATURE, top_n
-    from decoder_service.retrieval_cuda import SIM, DeviceScorer
+    from decoder_service.retrieval.config import NEIGHBOURS, VOTE_TEMPERATURE
+    from decoder_service.retrieval.host import top_n
+    from decoder_service.retrieval.cuda import SIM, DeviceScorer
     rng = np.random.default_rng(3)
     # SIM: k_merge takes 3 lists of tools and 5 of requests (more than a 4-lane warp); k_fuse unrolled + tail
     n, dim, m = (150, 40, 300) if SIM else (100_000, 384, 50_000)
@@ -86,7 +87,8 @@ def through_the_retriever(rng, sim: bool) -> list[str]:
     """Retriever.shortlist on the device (the intent's parts encoded there, the moments and the coefficients
     computed there, BM25's matches from the host, the vote) against the host's fusion (Retriever.scores, top_n)
     of the same catalog and encoder, for an intent of one part and one of three."""
-    from decoder_service.retrieval import Retriever, Vectors, top_n
+    from decoder_service.retrieval.host import Retriever, top_n
+    from decoder_service.retrieval.vectors import Vectors
     from shared.bm25 import Bm25Index
     encoder = tiny_cuda_encoder(sim)
     n, m, dim = (120, 60, encoder.dim) if sim else (20_000, 10_000, encoder.dim)

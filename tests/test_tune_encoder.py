@@ -12,7 +12,7 @@ from safetensors.numpy import load_file
 
 from decoder_service.encoder.tuned import TUNED_ENCODER, trained_on, without
 from decoder_service.model.config import ModelError
-from decoder_service.retrieval import tool_texts
+from decoder_service.retrieval.vectors import tool_texts
 from shared import dataset
 from shared.config import REPO_ROOT as REPO
 from test_encoder import write_tiny_model

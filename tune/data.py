@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from compiler_service.compiler import tokenize_names
-from decoder_service.retrieval import written_request
+from decoder_service.retrieval.vectors import written_request
 from shared.catalog import parse_registry
 from shared.dataset import Query, held_out, is_selection, is_validation
 from shared.prompt import default_template

@@ -32,8 +32,8 @@ class Pair:
 
 
 def tool_text(name: str, description: str) -> str:
-    """What the encoder reads of a tool, as decoder_service.retrieval.tool_texts writes it (that module needs numba,
-    which the GPU machine lacks; tests/test_tune_encoder.py checks that the two agree)."""
+    """What the encoder reads of a tool, as decoder_service.retrieval.vectors.tool_texts writes it (tune runs where
+    the services' dependencies may be missing; tests/test_tune_encoder.py checks that the two agree)."""
     return f"{name}: {description}" if description else name
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 
 from compiler_service.compiler import compile_catalog
-from decoder_service.retrieval import VECTORS_RECIPE, Retriever, bm25_index, computed_vectors
+from decoder_service.retrieval.host import Retriever, bm25_index
+from decoder_service.retrieval.vectors import VECTORS_RECIPE, computed_vectors
 from shared.catalog import parse_registry
 from shared.dataset import Query, bucket, normalise, published
 from shared.tokenizer import ModelTokenizer
@@ -41,7 +42,7 @@ class CachedEncoder:
 
 
 class Shortlister:
-    """Each query's top-n tools from decoder_service.retrieval (BM25 fused with the dense encoder, or BM25
+    """Each query's top-n tools from decoder_service.retrieval.host (BM25 fused with the dense encoder, or BM25
     alone without one) over the catalog published with the labelled queries as examples
     (shared.dataset.published), exactly as the service would shortlist it. A training query's catalog leaves
     out the examples of its fold, so that no shortlist is made with the query itself among the examples.

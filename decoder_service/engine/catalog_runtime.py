@@ -15,7 +15,7 @@ from functools import cached_property
 import numpy as np
 
 from decoder_service.engine.sampler import compile_for
-from decoder_service.retrieval import Retriever
+from decoder_service.retrieval.host import Retriever
 from shared.prompt import PromptTemplate
 from shared.tokenizer import ModelTokenizer
 from shared.trie import SEP, STOP, Trie, control_edge_legal

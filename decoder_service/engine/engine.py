@@ -24,7 +24,8 @@ from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick, Sampler
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
 from decoder_service.model.batch import StepBatch
-from decoder_service.retrieval import SHORTLIST, Retriever, Shortlist, bm25_index
+from decoder_service.retrieval.config import SHORTLIST
+from decoder_service.retrieval.host import Retriever, Shortlist, bm25_index
 from shared.trie import Trie, TrieWalkError
 
 log = logging.getLogger("tooltrie.engine")

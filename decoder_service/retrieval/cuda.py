@@ -4,7 +4,7 @@ A version's tool and request vectors stay on the device (float16, run-major); k_
 cosine with the intent's parts, compiled for each count of parts), the requests' votes (k_fuse's blocks past the
 tools score the requests, Best keeps the nearest, k_vote), k_add (BM25) and Best (k_top: warps' bitonic sorts merged
 by a tournament of one warp; k_merge: the blocks' lists merged the same way, staged in shared memory) leave only n
-ids and scores for the host, in retrieval.top_n's order, the same in any order of requests (P78, P107, P112, P117,
+ids and scores for the host, in host.top_n's order, the same in any order of requests (P78, P107, P112, P117,
 P118). Every kernel is launched with PDL, and BM25's matches come in on a side stream while the intent's encoder
 pass runs (P124).
 """
@@ -22,9 +22,10 @@ from decoder_service.gpu.intrinsics import WARP, dot8, ld8, ld8_once, ld_l2, pdl
 from decoder_service.gpu.launcher import (SIM, Kernel, Launch, Scalar, Stream, destroy_event,  # numpy fix first
                                           new_event)
 from decoder_service.encoder.turns import Turns
-from decoder_service.retrieval import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 from numba import cuda
 from numba.cuda import types as t
+
+from .config import MAX_PARTS, NEIGHBOURS, VOTE_TEMPERATURE
 
 FUSE_THREADS = 16 if SIM else 128   # k_fuse's block: a thread a row (a tool's or a request's)
 MOMENT_LANES = 4 if SIM else 32     # k_moments: threads a row of the tools' second moment
@@ -40,7 +41,7 @@ VOTERS = 32                 # k_vote's block: at most this many nearest requests
 LAST_ID = 2147483647        # the id of Best's padding, after every real entry
 if MAX_PARTS != 8 or NEIGHBOURS > VOTERS:
     raise ImportError(f"k_fuse keeps a sum for each of 8 parts and k_vote reads {VOTERS} requests at most; "
-                      f"retrieval.MAX_PARTS is {MAX_PARTS}, NEIGHBOURS {NEIGHBOURS}")
+                      f"config.MAX_PARTS is {MAX_PARTS}, NEIGHBOURS {NEIGHBOURS}")
 _F, _H, _I, _D = (t.Array(dt, 1, "C") for dt in (t.float32, t.float16, t.int32, t.float64))
 _S, _X = t.int32, t.float32
 
@@ -400,7 +401,7 @@ class DeviceScorer:
                   top: int, vote_weight: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """(ids, scores) of the `top` best tools by a * (best cosine over the rows of queries) + k0 + c*bm25
         (matched = the BM25 index's (ids, values) of the tools with a nonzero score) + vote_weight * the
-        requests' votes (retrieval.Retriever.votes), best first."""
+        requests' votes (host.Retriever.votes), best first."""
         self._check(top, len(queries))
         with self.turns:
             self.host_queries[:queries.size] = queries.ravel()
