@@ -134,23 +134,44 @@ class Harness:
             self.encoders[key] = load_encoder(key, self.kind)
         return self.encoders[key]
 
-    def unseen(self, name: str, split: str, n: int, base_encoder: Path, weight: float | None) -> dict:
+    def unseen(self, name: str, split: str, n: int, base_encoder: Path, weight: float | None,
+               written: dict[str, list[str]] | None = None) -> dict:
         """Data set `name` as a catalog nobody has seen (leave one data set out): published without examples, its
         queries answered by BM25, by the dense and fused retrievers with the base encoder and with the service's
         encoder's counterpart trained without `name` (decoder_service.encoder.tuned.without; the base itself where
         the service's encoder is the base), and by tooltrie through the engine over the latter's shortlists at
-        `weight` (None: no engine). Each query's answers are kept."""
+        `weight` (None: no engine). With `written` ({tool: requests} from a writer that never saw `name`,
+        tune/writer.py), the same again with those requests published as the tools' examples. Each query's
+        answers are kept."""
         queries = sample(dataset.queries(name, split), n)
         tools = json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))
-        trie = compile_catalog(parse_registry(dataset.published(tools, [])), self.tok)
-        trie.meta.update(name=name, version=1)
-        names, index = trie.pointer_names, bm25_index(trie)
-        lists = {"bm25": [[names[i] for i in top_n(index.scores(q.text, len(names)), len(q.tools))]
-                          for q in queries]}
         encoders = {"base": Path(base_encoder)}
         loo = without(self.encoder.model_dir, name)
         if loo.resolve() != Path(base_encoder).resolve():
             encoders["tuned"] = loo
+        lists = self.answered(name, tools, [], queries, encoders, weight, "")
+        if written is not None:
+            labelled = [dataset.Query(r, (t,)) for t, requests in written.items() for r in requests]
+            lists.update(self.answered(name, tools, labelled, queries, encoders, weight, " + written"))
+        rows, counts = rows_of(lists, queries)
+        return {"set": name, "label": f"{dataset.SETS[name]} unseen", "split": split, "queries": len(queries),
+                "by_k": dict(sorted(counts.items())), "tools": len(tools), "examples": 0,
+                "written": sum(map(len, written.values())) if written else 0,
+                "encoders": {label: {"folder": Path(d).name, "trained_on": sorted(trained_on(d))}
+                             for label, d in encoders.items()},
+                "selector_trained_on_it": bool(self.tuned_tools & {t["name"] for t in tools}), "rows": rows,
+                "answers": [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
+                            for i, q in enumerate(queries)]}
+
+    def answered(self, name: str, tools: list[dict], labelled: list, queries: list, encoders: dict[str, Path],
+                 weight: float | None, suffix: str) -> dict[str, list]:
+        """Each method's answers over the catalog published with `labelled` as examples: BM25, dense and fused
+        per encoder, and tooltrie at `weight` over the last encoder's shortlists; method names end in `suffix`."""
+        trie = compile_catalog(parse_registry(dataset.published(tools, labelled)), self.tok)
+        trie.meta.update(name=name + suffix, version=1)
+        names, index = trie.pointer_names, bm25_index(trie)
+        lists = {f"bm25{suffix}": [[names[i] for i in top_n(index.scores(q.text, len(names)), len(q.tools))]
+                                   for q in queries]}
         for label, model_dir in encoders.items():
             encoder = self.encoder_at(model_dir)
             vectors, _ = computed_vectors(trie, encoder)
@@ -161,20 +182,14 @@ class Harness:
                 dense.append([names[i] for i in top_n(cos.astype(np.float32), len(q.tools))])
                 shortlists.append(retriever.shortlist(q.text, max(SHORTLIST, len(q.tools))))
                 fused.append([names[i] for i in shortlists[-1].ids[:len(q.tools)]])
-            lists[f"dense ({label})"], lists[f"fused ({label})"] = dense, fused
+            lists[f"dense ({label}){suffix}"], lists[f"fused ({label}){suffix}"] = dense, fused
         if weight is not None:   # the service's encoder's counterpart: the last retriever
             engine = self.engine(weight)
             rt = engine.load_catalog(trie, retriever)
             engine.run_until_idle()
-            lists[f"tooltrie w={rt.fusion_weight:g} ({label})"] = self.decoded(engine, rt, queries, shortlists)[0]
-        rows, counts = rows_of(lists, queries)
-        return {"set": name, "label": f"{dataset.SETS[name]} unseen", "split": split, "queries": len(queries),
-                "by_k": dict(sorted(counts.items())), "tools": len(names), "examples": 0,
-                "encoders": {label: {"folder": Path(d).name, "trained_on": sorted(trained_on(d))}
-                             for label, d in encoders.items()},
-                "selector_trained_on_it": bool(self.tuned_tools & set(names)), "rows": rows,
-                "answers": [{"query": q.text, "gold": list(q.tools), **{m: a[i] for m, a in lists.items()}}
-                            for i, q in enumerate(queries)]}
+            lists[f"tooltrie w={rt.fusion_weight:g} ({label}){suffix}"] = self.decoded(engine, rt, queries,
+                                                                                       shortlists)[0]
+        return lists
 
     def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0,
             keep_answers: bool = False, sizes: tuple[int, ...] = (SHORTLIST,)) -> dict:
@@ -280,6 +295,8 @@ def quality_arguments(p) -> None:
     p.add_argument("--base-encoder", default=str(BASE_ENCODER_DIR), help="the untuned encoder of the unseen rows")
     p.add_argument("--unseen", default="loo", choices=["loo", "only", "none"], help="the unseen rows (each set "
                    "published without examples, leave one data set out) beside the others, alone, or not")
+    p.add_argument("--written", type=Path, default=None, help="a folder of written-<set>.json (tune/writer.py): "
+                   "the unseen rows again with those requests as the tools' examples")
     p.add_argument("--backend", default="auto")
     p.add_argument("--hold-out-tools", type=float, default=0.0, help="fraction of each catalog's tools published "
                    "without examples (shared/dataset.held_out), reported apart as new tools")
@@ -310,8 +327,10 @@ def quality(args) -> None:
             results.append(harness.run(name, args.split, n, weights, args.hold_out_tools, bool(args.answers), sizes))
             print(f"{name}: {results[-1]['queries']} queries, {time.perf_counter() - started:.0f} s", flush=True)
         if args.unseen != "none":   # a selector never shown the set gets the unseen weight (engine.fusion)
+            written = (json.loads((args.written / f"written-{name}.json").read_text(encoding="utf-8"))
+                       if args.written else None)
             unseen.append(harness.unseen(name, args.split, n, Path(args.base_encoder),
-                                         Settings().fusion_weight_unseen if weights else None))
+                                         Settings().fusion_weight_unseen if weights else None, written))
             print(f"{name} unseen: {unseen[-1]['queries']} queries, {time.perf_counter() - started:.0f} s",
                   flush=True)
     device = device_label(harness.kind)

@@ -1,0 +1,56 @@
+"""tune.writer: the pairs it learns from, and a tiny random Llama that learns to write them (CPU). Skipped where
+torch or transformers is not installed."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from decoder_service.retrieval.host import intent_parts
+from model_fixtures import make_tiny_model
+from shared import dataset
+from tokenizer_fixtures import make_tokenizer_dir
+from tune import lora, model as tmodel
+from tune.writer import Pair, Prompts, clause_for, pairs, train_writer, write
+
+VOCAB = 400
+
+
+def test_a_multi_tool_request_teaches_each_tool_its_own_clause():
+    query = "Find flights to Paris for next week and then check the weather forecast in Paris."
+    flights = clause_for(query, "searchFlights", "Search flights between two cities")
+    assert flights == "Find flights to Paris for next week"
+    assert clause_for(query, "getWeatherForecast", "Weather forecast of a city").startswith("check the weather")
+
+
+def test_pairs_come_from_the_fit_split_alone_and_at_most_ten_a_tool():
+    fit = {" ".join(part.split()) for q in dataset.queries("metatool", "train") if not dataset.is_selection(q.text)
+           for part in intent_parts(q.text)}
+    got = pairs(["metatool"])
+    assert got and all(p.request in fit for p in got)   # a fit request or one of its clauses, never validation's
+    per_tool: dict[str, int] = {}
+    for p in got:
+        per_tool[p.name] = per_tool.get(p.name, 0) + 1
+    assert max(per_tool.values()) == 10
+    assert pairs(["metatool"]) == got   # a seeded draw
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = make_tiny_model(tmp_path_factory.mktemp("writer"), "llama", "float32", tied=True, seed=1,
+                           config_overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048})
+    make_tokenizer_dir(base, vocab_size=VOCAB)
+    return base
+
+
+def test_the_writer_learns_a_request_and_writes_it_back(tiny):
+    prompts = Prompts(tiny)
+    items = [Pair("weather", "Weather forecast of a city", "what is the weather in paris")] * 8
+    model = tmodel.load(tiny, "cpu")
+    lora.add_lora(model, 8, 16.0)
+    losses = train_writer(model, prompts, items, epochs=30, batch_size=8, lr=3e-2, seed=0, device="cpu")
+    assert losses[-1] < losses[0] / 4
+    written = write(model, prompts, [{"name": "weather", "description": "Weather forecast of a city"}], "cpu",
+                    openers=("",))
+    assert written == {"weather": ["what is the weather in paris"]}
