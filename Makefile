@@ -68,7 +68,7 @@ model: $(TUNED)
 $(TUNED): $(MODEL) $(wildcard $(ADAPTERS)/*)
 	$(PY) -m tune.merge --base $(MODEL_DIR) --adapters $(ADAPTERS) --out $(TUNED_DIR)
 $(ENCODER): $(STAMP)
-	$(PY) -m decoder_service.encoder.fetch --out $(ENCODER_DIR)
+	$(PY) -m modelkit.encoder_fetch --out $(ENCODER_DIR)
 
 # The encoder tuned for tools: each committed delta (tune/encoder_deltas/, made on a GPU by `python -m tune.encoder`)
 # merged into the base with numpy (tune/encoder_merge.py, no torch): $(ENCODER_DIR)-tuned, trained on the three data

@@ -29,7 +29,7 @@ import numpy as np
 from compiler_service.compiler import compile_catalog
 from bench.common import device_label
 from decoder_service.encoder import load_encoder
-from decoder_service.encoder.fetch import DEFAULT_ENCODER_DIR as BASE_ENCODER_DIR
+from shared.config import DEFAULT_ENCODER_DIR as BASE_ENCODER_DIR
 from decoder_service.encoder.tuned import trained_on, without
 from decoder_service.engine.fusion import tuned_tools
 from decoder_service.engine.engine import DecodeEngine, EngineConfig

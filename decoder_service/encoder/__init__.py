@@ -56,9 +56,9 @@ class Encoder:
 
 
 def load_encoder(model_dir: str | Path, backend: str = "auto", **options) -> Encoder:
-    """The encoder in `model_dir` (a sentence-transformers folder, see fetch.py) on `backend`: "auto" (cuda
-    where numba.cuda has a real GPU, else cpu), "cpu" or "cuda". `options` go to the backend: chunk_tokens
-    (token rows a forward pass), on cuda also graphs (see cuda.py)."""
+    """The encoder in `model_dir` (a sentence-transformers folder, see modelkit/encoder_fetch.py) on `backend`:
+    "auto" (cuda where numba.cuda has a real GPU, else cpu), "cpu" or "cuda". `options` go to the backend:
+    chunk_tokens (token rows a forward pass), on cuda also graphs (see cuda.py)."""
     model_dir = Path(model_dir)
     cfg = EncoderConfig.from_dir(model_dir)
     kind = resolve_backend(backend)

