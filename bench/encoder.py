@@ -7,7 +7,7 @@ from several threads, a tool catalog, and requests beside a tool catalog.
 The check runs first (fresh random token sequences of 2..max_seq_length tokens, against the reference
 on the weights as the backend stores them; each vector alone against its batch, bit for bit); the
 timings are host wall clock around encode(), tokenization included, medians after a warm-up; a request's parts
-(the intent and its clauses, as retrieval encodes them: retrieval.intent_parts) are timed without tokenization,
+(the intent and its clauses, as retrieval encodes them: retrieval.host.intent_parts) are timed without tokenization,
 per query of the first 150, split by one part or several (P94). The first 100 requests' parts are then encoded
 from --clients threads, through encode() (requests that arrive together share a call: Batcher, P106) and each in
 a call of its own, with the encoder calls counted; and, while the catalog's texts are encoded on one thread,

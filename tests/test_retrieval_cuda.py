@@ -48,7 +48,7 @@ def main() -> None:
         values = rng.integers(1, 8, matched).astype(np.float32)
         got_ids, got_scores = scorer.shortlist(queries, 1.0, 0.0, (ids, values), 0.5, top, vote)
         host = vectors[:, axes].astype(np.float32).max(axis=1)   # the best part's cosine
-        if vote:   # retrieval.Retriever.votes, added in the device's order and precision
+        if vote:   # retrieval.host.Retriever.votes, added in the device's order and precision
             cos = requests[:, axes].astype(np.float32).max(axis=1)
             near = top_n(cos, NEIGHBOURS)
             share = np.exp((cos[near].astype(np.float64) - cos[near[0]]) / VOTE_TEMPERATURE)

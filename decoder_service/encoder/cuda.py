@@ -40,7 +40,7 @@ MAX_H = 1024                      # hidden size bound (a row staged in shared me
 CHUNK_TOKENS = 16384              # token rows per forward pass (activations ~ 15 KB a row)
 GRAPHS = 64                       # captured graphs kept (one per padded row count and text count)
 GRAPH_ROWS = 4 if SIM else 16     # a graph's rows: the texts' tokens rounded up to a multiple of this
-GRAPH_TEXTS = 8                   # most texts a graph runs (a request's parts: retrieval.MAX_PARTS)
+GRAPH_TEXTS = 8                   # most texts a graph runs (a request's parts: retrieval.config.MAX_PARTS)
 
 MODE_PLAIN, MODE_GELU, MODE_RESIDUAL = 0, 1, 2
 
