@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 from shared.bm25 import Bm25Index, tool_terms
-from shared.catalog import Catalog, CatalogError
+from shared.catalog import CatalogError, Registry
 from shared.prompt import PromptTemplate, default_template
 from shared.tokenizer import ModelTokenizer
 from shared.trie import Trie, build_trie
@@ -38,11 +38,11 @@ def tokenize_names(names: list[str], tok: ModelTokenizer, separator: str, sep_id
     return bodies
 
 
-def check_prompt_text(catalog: Catalog, tok: ModelTokenizer) -> None:
+def check_prompt_text(registry: Registry, tok: ModelTokenizer) -> None:
     """Refuse descriptions and examples that spell a special token: in the prompt it would act as one
     (a literal "<|im_end|>" in a description would end the system turn)."""
     specials = [tok.tokenizer.id_to_token(i) for i in sorted(tok.special_ids)]
-    for i, t in enumerate(catalog.tools):
+    for i, t in enumerate(registry.tools):
         for text in (t.description, *t.examples):
             hit = next((s for s in specials if s in text), None)
             if hit:
@@ -50,17 +50,18 @@ def check_prompt_text(catalog: Catalog, tok: ModelTokenizer) -> None:
                                    f"token {hit!r}")
 
 
-def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
-    """Compile a validated catalog into a trie whose metadata holds everything the decoder needs."""
+def compile_catalog(registry: Registry, tok: ModelTokenizer, template: PromptTemplate | None = None) -> Trie:
+    """Compile a validated registry into a catalog version: the names' trie, whose metadata and extra arrays hold
+    everything else the decoder needs (descriptions, examples, schemas, the BM25 index, the prompt)."""
     started = time.perf_counter()
-    check_prompt_text(catalog, tok)
+    check_prompt_text(registry, tok)
     if template is None:
         template = default_template(*tok.chat_format())
     sep_id = tok.single_token(template.separator, "separator")
     stop_id = tok.single_token(template.stop_token, "stop token")
-    names = catalog.names
+    names = registry.names
     trie = build_trie(tokenize_names(names, tok, template.separator, sep_id), names, sep_id, stop_id)
-    by_name = {t.name: t for t in catalog.tools}
+    by_name = {t.name: t for t in registry.tools}
     tools = [by_name[n] for n in trie.pointer_names]   # in pointer-id order, as the decoder indexes them
     index = Bm25Index.build([tool_terms(t.name, t.description, t.examples) for t in tools])
     trie.extra.update({f"bm25_{a}": getattr(index, a) for a in Bm25Index.ARRAYS})
@@ -69,7 +70,7 @@ def compile_catalog(catalog: Catalog, tok: ModelTokenizer, template: PromptTempl
         "examples": [list(t.examples) for t in tools],
         "input_schemas": [t.input_schema for t in tools],
         "bm25_terms": index.terms,
-        "content_hash": catalog.content_hash_with(template, tok.hash),
+        "content_hash": registry.content_hash_with(template, tok.hash),
         "tokenizer_hash": tok.hash,
         "prompt": template.to_json(),
         "compile_ms": round((time.perf_counter() - started) * 1e3, 3),

@@ -1,4 +1,4 @@
-"""Tool registries: the three JSON shapes users already have, parsed into one validated Catalog.
+"""Tool registries: the three JSON shapes users already have, parsed into one validated Registry.
 
 Every refusal is a CatalogError whose message names the offending tool, so a bad registry is
 reported once, clearly, before anything is compiled or published.
@@ -42,7 +42,9 @@ class Tool:
 
 
 @dataclass(frozen=True)
-class Catalog:
+class Registry:
+    """A parsed, validated registry: what compile_catalog turns into a catalog version."""
+
     tools: tuple[Tool, ...]
 
     @property
@@ -122,8 +124,8 @@ def _check_name(name, where: str, limit: int) -> str:
     return name
 
 
-def parse_registry(text: str | bytes, settings: Settings | None = None) -> Catalog:
-    """Parse registry JSON text into a validated Catalog (limits from settings)."""
+def parse_registry(text: str | bytes, settings: Settings | None = None) -> Registry:
+    """Parse registry JSON text into a validated Registry (limits from settings)."""
     settings = settings or Settings()
     try:
         data = json.loads(text)
@@ -137,7 +139,7 @@ def parse_registry(text: str | bytes, settings: Settings | None = None) -> Catal
         raise CatalogError("the registry is nested too deeply") from None
 
 
-def catalog_from_entries(entries: list[dict], settings: Settings | None = None) -> Catalog:
+def catalog_from_entries(entries: list[dict], settings: Settings | None = None) -> Registry:
     settings = settings or Settings()
     if not entries:
         raise CatalogError("the registry holds no tools")
@@ -164,7 +166,7 @@ def catalog_from_entries(entries: list[dict], settings: Settings | None = None) 
             raise CatalogError(f"{where}: name {shown(name)} duplicates tool #{seen[key]} ({shown(other)}){how}")
         seen[key] = i
         tools.append(Tool(name, description, examples, _check_schema(e, where, settings.max_schema_chars)))
-    return Catalog(tuple(tools))
+    return Registry(tuple(tools))
 
 
 CATALOG_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

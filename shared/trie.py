@@ -48,6 +48,9 @@ class TrieWalkError(ValueError):
 
 @dataclass
 class Trie:
+    """A catalog version as both services hold it: the names' token trie, the rest of the version (descriptions,
+    examples, schemas, prompt, hashes; the BM25 index's arrays) riding in `meta` and `extra`."""
+
     node_edge_start: np.ndarray  # int32 [nodes + 1]
     edge_token: np.ndarray       # int32 [edges]
     edge_child: np.ndarray       # int32 [edges]: node id, SEP or STOP
