@@ -178,7 +178,7 @@ def test_fetch_wheel_refuses_another_digest(tmp_path, monkeypatch):
 ])
 def test_config_refuses_what_the_runtime_cannot_reproduce(tmp_path, override, message):
     from decoder_service.encoder.config import EncoderConfig
-    from decoder_service.model.config import ModelError
+    from shared.errors import ModelError
 
     with pytest.raises(ModelError, match=message):
         EncoderConfig.from_dir(write_tiny_model(tmp_path, **override))
@@ -305,7 +305,7 @@ def test_encoder_api(tiny, tmp_path):
     import shutil
 
     from decoder_service.encoder import load_encoder
-    from decoder_service.model.config import ModelError
+    from shared.errors import ModelError
 
     d, cfg, _ = tiny
     enc = load_encoder(d, "auto")            # no GPU here: auto is the CPU

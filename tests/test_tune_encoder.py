@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file
 
 from decoder_service.encoder.tuned import TUNED_ENCODER, trained_on, without
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 from decoder_service.retrieval.vectors import tool_texts
 from shared import dataset
 from shared.config import REPO_ROOT as REPO

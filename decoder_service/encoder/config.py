@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 
 MAX_TOKENS = 256   # the kernels' bound on a text's tokens (attention scores live in shared memory)
 

@@ -15,7 +15,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 from decoder_service.gpu import compat  # noqa: F401  (numpy's row_stack alias before numba-cuda compiles)
 from decoder_service.gpu.intrinsics import SIM, WARP, block_max, block_sum, dot8, ld8, ldf, pdl_enter, prefetch_l2
 from decoder_service.gpu.launcher import Graph, Kernel, Launch, Scalar, Stream

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 
 _WORDS = re.compile(r"[a-z0-9]+|[^a-z0-9 ]")     # BERT's split of lower-cased printable ASCII
 _CACHED_RUNS = 200_000                           # runs between spaces whose pieces WordPieces keeps (then anew)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 
 TUNED_ENCODER = "tune_encoder.json"   # written into a merged folder by tune/encoder_merge.py
 

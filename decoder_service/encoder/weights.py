@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load as load_safetensors
 
-from decoder_service.model.config import ModelError
+from shared.errors import ModelError
 
 from .config import EncoderConfig
 

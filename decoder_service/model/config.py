@@ -10,9 +10,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class ModelError(Exception):
-    """A model directory the runtime cannot load or run (the message says what and where)."""
+from shared.errors import ModelError
 
 
 # HF architecture name -> (family, q/k/v projections carry a bias, per-head q/k RMSNorm).
