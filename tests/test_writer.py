@@ -1,5 +1,5 @@
-"""tune.writer: the pairs it learns from, and a tiny random Llama that learns to write them (CPU). Skipped where
-torch or transformers is not installed."""
+"""tune.writer and tune.reader: the pairs they learn from, a tiny random Llama that learns to write them, and the
+reader's scores (CPU). Skipped where torch or transformers is not installed."""
 from __future__ import annotations
 
 import pytest
@@ -54,3 +54,22 @@ def test_the_writer_learns_a_request_and_writes_it_back(tiny):
     written = write(model, prompts, [{"name": "weather", "description": "Weather forecast of a city"}], "cpu",
                     openers=("",))
     assert written == {"weather": ["what is the weather in paris"]}
+
+
+def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_clause(tiny):
+    import torch
+
+    from tune.reader import likelihoods, reader_score, reranked
+    prompts = Prompts(tiny)
+    model = tmodel.load(tiny, "cpu")
+    row = {"parts": ["weather in paris"], "shortlist": ["weather", "flights"], "scores": [1.0, 0.0], "gold": ["x"]}
+    got = likelihoods(model, prompts, [row], {"weather": "Weather forecast"}, "cpu")
+    head, request = prompts.prompt("flights", ""), prompts.tok.encode("weather in paris")
+    with torch.no_grad():
+        logp = torch.log_softmax(model(torch.tensor([head + request])).logits[0].float(), -1)
+    expected = sum(float(logp[len(head) - 1 + j, t]) for j, t in enumerate(request))
+    assert got[0][0][1] == pytest.approx(expected, abs=2e-3)
+    # the second tool wins where a clause favours it enough to outweigh retrieval's order
+    assert list(reader_score([[0.0, 1.0], [-5.0, -1.0]])) == pytest.approx([-1.0, 1.0])
+    assert reranked(row, [[-9.0, -1.0]], beta=0.5) == ["weather"]
+    assert reranked(row, [[-9.0, -1.0]], beta=2.0) == ["flights"]
