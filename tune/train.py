@@ -48,9 +48,19 @@ def lr_at(step: int, total: int, peak: float, warmup: float = 0.05, floor: float
 
 def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: int, lr: float, seed: int,
           device: str, shuffled: float = 0.0, log=print) -> list[float]:
-    """Train the model's trainable parameters; returns each step's loss. Every epoch reshuffles the items, and
-    the shortlist order of a `shuffled` share of them (the rest keep retrieval order, as served, so that the
-    selector learns how far to trust the rank); one `random.Random(seed)` drives both."""
+    """Train the selector; returns each step's loss. Every epoch reshuffles the items, and the shortlist order of a
+    `shuffled` share of them (the rest keep retrieval order, as served, so that the selector learns how far to
+    trust the rank); one `random.Random(seed)` drives both."""
+    return fit(model, items, lambda it, rng: enc.example(it, rng, shuffled >= 1 or (shuffled > 0 and
+                                                                                  rng.random() < shuffled)),
+               enc.stop_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
+
+
+def fit(model, items: list, example, pad: int, *, epochs: int, batch_size: int, lr: float, seed: int, device: str,
+        log=print) -> list[float]:
+    """Train the model's trainable parameters on the answer tokens of `example(item, rng)`'s (prompt ids, answer
+    ids), AdamW, warmup then cosine; returns each step's loss. Every epoch reshuffles the items with the one
+    `random.Random(seed)` that `example` also draws from."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -65,9 +75,8 @@ def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: in
         order = list(items)
         rng.shuffle(order)
         for s in range(steps_per_epoch):
-            examples = [enc.example(it, rng, shuffled >= 1 or (shuffled > 0 and rng.random() < shuffled))
-                        for it in order[s * batch_size:(s + 1) * batch_size]]
-            ids, mask, where, targets = batch_tensors(examples, enc.stop_id, device)
+            examples = [example(it, rng) for it in order[s * batch_size:(s + 1) * batch_size]]
+            ids, mask, where, targets = batch_tensors(examples, pad, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(len(losses), total, lr)
             with autocast:
@@ -82,4 +91,3 @@ def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: in
                 log(f"epoch {epoch + 1} step {len(losses)}/{total} loss {sum(recent) / len(recent):.4f} "
                     f"({time.perf_counter() - started:.0f} s)")
     return losses
-

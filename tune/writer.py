@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import re
 import time
@@ -96,35 +95,9 @@ class Prompts:
 def train_writer(model, prompts: Prompts, items: list[Pair], *, epochs: int, batch_size: int, lr: float, seed: int,
                  device: str, log=print) -> list[float]:
     """Train the model's trainable parameters on the pairs (request-token cross-entropy); each step's loss."""
-    import torch
-
-    from tune.train import answer_loss, batch_tensors, lr_at
-    rng = random.Random(seed)
-    torch.manual_seed(seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    steps = math.ceil(len(items) / batch_size)
-    losses: list[float] = []
-    model.train()
-    for _ in range(epochs):
-        order = list(items)
-        rng.shuffle(order)
-        for s in range(steps):
-            ids, mask, where, targets = batch_tensors([prompts.example(p) for p in
-                                                       order[s * batch_size:(s + 1) * batch_size]],
-                                                      prompts.stop_id, device)
-            for group in opt.param_groups:
-                group["lr"] = lr_at(len(losses), epochs * steps, lr)
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
-                loss = answer_loss(model, ids, mask, where, targets)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            losses.append(float(loss.detach()))
-            if len(losses) % 50 == 0:
-                log(f"step {len(losses)}/{epochs * steps} loss {sum(losses[-50:]) / 50:.4f}")
-    return losses
+    from tune.train import fit
+    return fit(model, items, lambda p, rng: prompts.example(p), prompts.stop_id, epochs=epochs,
+               batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
 
 
 def write(model, prompts: Prompts, tools: list[dict], device: str, openers=OPENERS, batch: int = 256) -> dict:
