@@ -33,7 +33,8 @@ from shared.config import DEFAULT_ENCODER_DIR as BASE_ENCODER_DIR
 from decoder_service.encoder.tuned import trained_on, without
 from decoder_service.engine.fusion import tuned_tools
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
-from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
+from decoder_service.gpu.device import resolve_backend
+from decoder_service.model.backend import device_name, make_backend, weights_dtype
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights

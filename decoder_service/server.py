@@ -177,7 +177,8 @@ def build_engine(settings: Settings):
     encoder or None, info for GetInfo)."""
     from decoder_service.encoder import load_encoder
     from decoder_service.engine.fusion import tuned_tools
-    from decoder_service.model.backend import device_name, make_backend, resolve_backend, weights_dtype
+    from decoder_service.gpu.device import resolve_backend
+    from decoder_service.model.backend import device_name, make_backend, weights_dtype
     from decoder_service.model.config import ModelConfig
     from decoder_service.model.kv_pool import KVPoolSpec
     from decoder_service.model.weights import load_weights

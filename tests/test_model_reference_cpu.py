@@ -4,10 +4,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from decoder_service.model.backend import make_backend, resolve_backend
+from decoder_service.cpu_kernels import matmul_t
+from decoder_service.gpu.device import resolve_backend
+from decoder_service.model.backend import make_backend
 from decoder_service.model.batch import StepBatch
 from decoder_service.model.config import ModelConfig, ModelError
-from decoder_service.model.cpu import CpuBackend, matmul_t
+from decoder_service.model.cpu import CpuBackend
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.reference import ReferenceModel
 from decoder_service.model.weights import load_weights

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decoder_service.model.backend import resolve_backend
+from decoder_service.gpu.device import resolve_backend
 
 from .batcher import Batcher
 from .config import EncoderConfig

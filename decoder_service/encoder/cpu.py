@@ -1,10 +1,10 @@
 """The CPU encoder: the BERT forward pass in float32 with numba njit kernels, texts packed end to end.
 
 Texts are never padded: a chunk's token rows are the texts' rows one after another, and attention
-and pooling read only the rows of their own text. Matrix products go through the generator's CPU
-backend `matmul_t` (one fixed 4x4 register tile, K reduced in one order), not numpy's BLAS, whose
-code path and rounding change with the matrix size: with it, a text's vector would change with the
-texts that happened to share its chunk. Every other kernel works on one row or one text at a time.
+and pooling read only the rows of their own text. Matrix products go through `matmul_t`, shared with the
+generator's CPU backend (decoder_service/cpu_kernels.py: one fixed 4x4 register tile, K reduced in one order),
+not numpy's BLAS, whose code path and rounding change with the matrix size: with it, a text's vector would
+change with the texts that happened to share its chunk. Every other kernel works on one row or one text at a time.
 So a text's vector is bit-identical alone, in any batch and at any place in it.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from decoder_service.model.cpu import matmul_t  # also sets numba's OpenMP spin (see there)
+from decoder_service.cpu_kernels import matmul_t  # also sets numba's OpenMP spin (see there)
 
 from .config import EncoderConfig
 from .packing import chunks

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import BACKENDS, make_backend, resolve_backend, weights_dtype
+from ..gpu.device import BACKENDS, resolve_backend
+from .backend import make_backend, weights_dtype
 from .batch import StepBatch
 from .config import ModelConfig, ModelError
 from .kv_pool import KVPoolSpec
