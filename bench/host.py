@@ -212,7 +212,7 @@ def swap(args) -> None:
     rows are a GPU measurement; on the CPU the forward pass drowns them."""
     from decoder_service.catalogs import CatalogManager, CatalogState
     from compiler_service.compiler import compile_catalog
-    from shared.catalog import catalog_from_entries
+    from shared.catalog import registry_from_entries
     from shared.dataset import catalog_path
     gpu = has_gpu()
     tok = ModelTokenizer(DEFAULT_MODEL_DIR)
@@ -225,7 +225,7 @@ def swap(args) -> None:
     runtimes = {}
     for version in range(1, 3 * n + 1):
         rotated = tools[version % len(tools):] + tools[:version % len(tools)]
-        trie = compile_catalog(catalog_from_entries(rotated), tok)
+        trie = compile_catalog(registry_from_entries(rotated), tok)
         trie.meta.update(name="demo", version=version)
         runtimes[version] = engine.load_catalog(trie)
     engine.run_until_idle()

@@ -110,9 +110,9 @@ def retrieval_table(tok, encoder, queries, n_tools: int, size: int) -> dict:
     """The first stage alone on a catalog of n_tools tools: its tool vectors' time, then each query's
     shortlist of `size` (encode, BM25, fused top size) at concurrency 1."""
     from compiler_service.compiler import compile_catalog
-    from shared.catalog import catalog_from_entries
+    from shared.catalog import registry_from_entries
     started = time.perf_counter()
-    trie = compile_catalog(catalog_from_entries(large_catalog(n_tools)), tok)
+    trie = compile_catalog(registry_from_entries(large_catalog(n_tools)), tok)
     compile_s = time.perf_counter() - started
     retriever, vectors_s = retriever_for(trie, encoder)
     for q in queries[:5]:

@@ -134,12 +134,13 @@ def parse_registry(text: str | bytes, settings: Settings | None = None) -> Regis
     except RecursionError:
         raise CatalogError("malformed JSON: nested too deeply") from None
     try:
-        return catalog_from_entries(_tool_entries(data), settings)
+        return registry_from_entries(_tool_entries(data), settings)
     except RecursionError:   # an entry nested deeper than anything a tool needs
         raise CatalogError("the registry is nested too deeply") from None
 
 
-def catalog_from_entries(entries: list[dict], settings: Settings | None = None) -> Registry:
+def registry_from_entries(entries: list[dict], settings: Settings | None = None) -> Registry:
+    """The validated Registry of already-decoded tool entries (limits from settings)."""
     settings = settings or Settings()
     if not entries:
         raise CatalogError("the registry holds no tools")

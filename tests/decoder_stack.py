@@ -14,7 +14,7 @@ from decoder_service.catalogs import CatalogManager
 from decoder_service.server import SERVICE, DecoderServicer, follow_health, guard, server_options
 from devstack.redis_server import free_port
 from engine_fixtures import make_engine, tiny_backend
-from shared.catalog import catalog_from_entries
+from shared.catalog import registry_from_entries
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import make_server
 from shared.store import CatalogStore
@@ -26,7 +26,7 @@ TOOLS = json.loads(catalog_path("metatool").read_text())[:30]
 
 
 def trie_of(tok, tools):
-    return compile_catalog(catalog_from_entries(tools), tok)
+    return compile_catalog(registry_from_entries(tools), tok)
 
 
 class DecoderStack:

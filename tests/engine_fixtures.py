@@ -12,7 +12,7 @@ from decoder_service.model.cpu import CpuBackend
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
 from model_fixtures import make_tiny_model
-from shared.catalog import catalog_from_entries
+from shared.catalog import registry_from_entries
 from shared.tokenizer import ModelTokenizer
 from tokenizer_fixtures import catalog_path
 
@@ -36,11 +36,11 @@ def make_engine(backend, tok: ModelTokenizer, num_blocks: int, tuned_tools: froz
 
 def metatool_trie(tok: ModelTokenizer, first: int | None = None):
     tools = json.loads(catalog_path("metatool").read_text())[:first]
-    return compile_catalog(catalog_from_entries(tools), tok)
+    return compile_catalog(registry_from_entries(tools), tok)
 
 
 def names_trie(tok: ModelTokenizer, names: list[str]):
-    return compile_catalog(catalog_from_entries([{"name": n} for n in names]), tok)
+    return compile_catalog(registry_from_entries([{"name": n} for n in names]), tok)
 
 
 def answer(seq):

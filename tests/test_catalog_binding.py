@@ -69,13 +69,13 @@ def main() -> None:
     from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent, State
-    from shared.catalog import catalog_from_entries
+    from shared.catalog import registry_from_entries
     from test_engine_cuda_sim import device_stack
     from tokenizer_fixtures import catalog_path
     simulated, tok, cfg, spec, backend = device_stack()
     tools = json.loads(catalog_path("metatool").read_text())
-    tries = {1: compile_catalog(catalog_from_entries(tools[:30]), tok),
-             2: compile_catalog(catalog_from_entries(tools[10:45]), tok)}
+    tries = {1: compile_catalog(registry_from_entries(tools[:30]), tok),
+             2: compile_catalog(registry_from_entries(tools[10:45]), tok)}
     for version, trie in tries.items():
         trie.meta.update(name="demo", version=version)
     before = [("weather in paris", 3), ("a podcast please", 3), ("stocks and news", 3)]

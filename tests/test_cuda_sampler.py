@@ -183,8 +183,8 @@ def main() -> None:
             mismatches.append(f"row {i} ({name}): done {out['done'][i]}, the engine's rule says {int(ends)}")
     # a stale binding: constant memory now holds another version (half the tools) while rows still
     # read it as this MetaTool version
-    from shared.catalog import catalog_from_entries
-    other = compile_catalog(catalog_from_entries(json.loads(catalog_path("metatool").read_text())[::2]), tok)
+    from shared.catalog import registry_from_entries
+    other = compile_catalog(registry_from_entries(json.loads(catalog_path("metatool").read_text())[::2]), tok)
     dt.ConstantTrie(kernels).bind(("metatool", 2), dt.pack_trie(other), stream)
     nc2, edges2, _, _, _ = launch()
     changed = sum(1 for i, r in enumerate(rows) if r[0] == "metatool" and

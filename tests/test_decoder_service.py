@@ -18,7 +18,7 @@ from decoder_service.server import SERVICE, DecoderServicer
 from devstack.redis_server import free_port
 from engine_fixtures import make_engine, paused, tiny_backend
 from compiler_service.compiler import compile_catalog
-from shared.catalog import catalog_from_entries
+from shared.catalog import registry_from_entries
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
 from shared.serving import make_server, set_serving
 from shared.store import CatalogStore
@@ -31,7 +31,7 @@ TOOLS = json.loads(catalog_path("metatool").read_text())[:30]
 
 
 def tries(tok, tools):
-    return compile_catalog(catalog_from_entries(tools), tok)
+    return compile_catalog(registry_from_entries(tools), tok)
 
 
 @pytest.fixture(scope="module")

@@ -140,12 +140,12 @@ def main() -> None:
     from decoder_service.engine.sampler import HostSampler
     from decoder_service.engine.sequence import DoneEvent, FailedEvent
     from decoder_service.engine.device_trie import pack_trie
-    from shared.catalog import catalog_from_entries
+    from shared.catalog import registry_from_entries
     from tokenizer_fixtures import catalog_path
     simulated, tok, cfg, spec, backend = device_stack()
     tools = json.loads(catalog_path("metatool").read_text())
-    tries = [compile_catalog(catalog_from_entries(tools[:30]), tok),
-             compile_catalog(catalog_from_entries(tools[10:45]), tok)]
+    tries = [compile_catalog(registry_from_entries(tools[:30]), tok),
+             compile_catalog(registry_from_entries(tools[10:45]), tok)]
     for version, trie in enumerate(tries, 1):
         trie.meta.update(name="demo", version=version)
     requests = [("weather in paris", 2), ("a podcast please", 1), ("stocks and news", 3), ("find a recipe", 2)]

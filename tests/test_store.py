@@ -7,7 +7,7 @@ import pytest
 import redis
 
 from compiler_service.compiler import compile_catalog
-from shared.catalog import catalog_from_entries
+from shared.catalog import registry_from_entries
 from shared.store import CatalogStore, NotFound
 from shared.tokenizer import ModelTokenizer
 from shared.trie import Trie
@@ -24,7 +24,7 @@ def store(redis_url):
 
 
 def trie_of(tok, *names):
-    return compile_catalog(catalog_from_entries([{"name": n, "description": f"does {n}"} for n in names]), tok)
+    return compile_catalog(registry_from_entries([{"name": n, "description": f"does {n}"} for n in names]), tok)
 
 
 def test_publish_versions_and_latest(store, tok):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from compiler_service.compiler import compile_catalog, tokenize_names
-from shared.catalog import CatalogError, catalog_from_entries, parse_registry
+from shared.catalog import CatalogError, registry_from_entries, parse_registry
 from shared.tokenizer import ModelTokenizer
 from shared.trie import SEP, STOP, Trie, TrieWalkError
 from tokenizer_fixtures import catalog_path
@@ -183,8 +183,8 @@ names_strategy = st.lists(st.lists(st.sampled_from(WORDS), min_size=1, max_size=
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(names=names_strategy)
 def test_generated_catalogs(names, small_tok):
-    cat = catalog_from_entries([{"name": n} for n in names])
-    trie = compile_catalog(cat, small_tok)
+    registry = registry_from_entries([{"name": n} for n in names])
+    trie = compile_catalog(registry, small_tok)
     trie.sep_text = "\n"
     reference_check(trie, small_tok)
     back = Trie.from_blob(trie.to_blob())
