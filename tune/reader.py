@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from decoder_service.retrieval.host import standardised, top_n
 from shared import dataset
 
 DEPTH = 12           # the service's shortlist
@@ -62,6 +63,8 @@ def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH
 def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: str, batch_tokens: int = 48000) -> list:
     """Per row: [parts][shortlisted tools] summed log-probabilities of the part's tokens after the tool's prompt."""
     import torch
+
+    from tune.train import batch_tensors
     heads = {n: prompts.prompt(n, descriptions.get(n, "")) for row in rows for n in row["shortlist"]}
     jobs = [(r, p, c, heads[n], prompts.tok.encode(part)) for r, row in enumerate(rows)
             for p, part in enumerate(row["parts"]) for c, n in enumerate(row["shortlist"])]
@@ -72,22 +75,10 @@ def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: st
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.startswith("cuda")):
         while at < len(order):
             chunk = order[at:at + max(1, batch_tokens // (len(jobs[order[at]][3]) + len(jobs[order[at]][4])))]
-            width = max(len(jobs[j][3]) + len(jobs[j][4]) for j in chunk)
-            ids, mask, row_of, col, target = [], [], [], [], []
-            for b, j in enumerate(chunk):
-                head, request = jobs[j][3], jobs[j][4]
-                ids.append(head + request + [prompts.stop_id] * (width - len(head) - len(request)))
-                mask.append([1] * (len(head) + len(request)) + [0] * (width - len(head) - len(request)))
-                row_of += [b] * len(request)
-                col += range(len(head) - 1, len(head) + len(request) - 1)
-                target += request
-
-            def t(x):
-                return torch.tensor(x, device=device)
-
-            hidden = model.model(input_ids=t(ids), attention_mask=t(mask)).last_hidden_state[t(row_of), t(col)]
-            logp = torch.log_softmax(model.lm_head(hidden).float(), -1).gather(1, t(target)[:, None])[:, 0]
-            total = torch.zeros(len(chunk), device=device).index_add_(0, t(row_of), logp).tolist()
+            ids, mask, where, targets = batch_tensors([jobs[j][3:] for j in chunk], prompts.stop_id, device)
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[where]
+            logp = torch.log_softmax(model.lm_head(hidden).float(), -1).gather(1, targets[:, None])[:, 0]
+            total = torch.zeros(len(chunk), device=device).index_add_(0, where[0], logp).tolist()
             for b, j in enumerate(chunk):
                 r, p, c = jobs[j][:3]
                 out[r][p][c] = round(total[b], 3)
@@ -95,22 +86,22 @@ def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: st
     return out
 
 
-def standardised(x) -> np.ndarray:
+def z(x) -> np.ndarray:
+    """x standardised over all its entries (decoder_service.retrieval.host.standardised)."""
     x = np.asarray(x, np.float64)
-    s = x.std()
-    return (x - x.mean()) / (s if s > 0 else 1.0)
+    return standardised(x, np.ones(len(x), bool))
 
 
 def reader_score(parts: list[list[float]]) -> np.ndarray:
     """A tool's reader score: its best clause's log-likelihood, each clause standardised over the shortlist (a
     request for several tools names each in a clause, and clauses differ in length)."""
-    return np.max([standardised(p) for p in parts], axis=0)
+    return np.max([z(p) for p in parts], axis=0)
 
 
 def reranked(row: dict, parts: list[list[float]], beta: float) -> list[str]:
     """The row's top k by z(retrieval) + beta * reader score; the lower shortlist position on a tie."""
-    fused = standardised(row["scores"]) + beta * reader_score(parts)
-    return [row["shortlist"][i] for i in np.argsort(-fused, kind="stable")[:len(row["gold"])]]
+    fused = z(row["scores"]) + beta * reader_score(parts)
+    return [row["shortlist"][i] for i in top_n(fused, len(row["gold"]))]
 
 
 def report(data: dict, scored: dict) -> dict:
