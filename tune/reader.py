@@ -131,19 +131,17 @@ def score(base: Path, data_path: Path, out: Path, epochs: int, seed: int) -> Non
     """Train a writer without each set, score that set's shortlists with the base and with it; write and print."""
     import torch
 
-    from tune.lora import add_lora
     from tune.model import load
-    from tune.writer import Prompts, pairs, train_writer
+    from tune.writer import Prompts, trained_writer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data, prompts, scored = json.loads(data_path.read_text()), Prompts(base), {}
+    model = load(base, device)
     for name, d in data.items():
         started = time.perf_counter()
-        model = load(base, device)
         scored[name] = {"base": likelihoods(model, prompts, d["rows"], d["descriptions"], device)}
-        add_lora(model, 16, 32.0)
-        train_writer(model, prompts, pairs([s for s in dataset.SETS if s != name], seed), epochs=epochs,
-                     batch_size=32, lr=5e-4, seed=seed, device=device, log=lambda m: None)
-        scored[name]["writer"] = likelihoods(model, prompts, d["rows"], d["descriptions"], device)
+        writer, _, _ = trained_writer(base, prompts, [s for s in dataset.SETS if s != name], device, epochs=epochs,
+                                      seed=seed, log=lambda m: None)
+        scored[name]["writer"] = likelihoods(writer, prompts, d["rows"], d["descriptions"], device)
         print(f"{name}: {len(d['rows'])} queries, {time.perf_counter() - started:.0f} s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
     (out / "scores.json").write_text(json.dumps(scored))

@@ -100,6 +100,19 @@ def train_writer(model, prompts: Prompts, items: list[Pair], *, epochs: int, bat
                batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
 
 
+def trained_writer(base: Path, prompts: Prompts, sets: list[str], device: str, *, rank: int = 16, alpha: float = 32.0,
+                   epochs: int = 2, batch_size: int = 32, lr: float = 5e-4, seed: int = 0, log=print):
+    """(model, losses, pairs): the base with LoRA adapters trained on the pairs of `sets` (the writer's recipe)."""
+    from tune.lora import add_lora
+    from tune.model import load
+    model = load(base, device)
+    add_lora(model, rank, alpha)
+    items = pairs(sets, seed)
+    losses = train_writer(model, prompts, items, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+                          device=device, log=log)
+    return model, losses, items
+
+
 def write(model, prompts: Prompts, tools: list[dict], device: str, openers=OPENERS, batch: int = 256) -> dict:
     """{tool name: [one request per opener]}: greedy decoding, left-padded batches, cut at the stop token."""
     import torch
@@ -144,9 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     import torch
 
-    from tune.lora import add_lora, save_adapters
+    from tune.lora import save_adapters
     from tune.merge import base_fingerprint
-    from tune.model import load
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sets = args.sets.split(",")
     prompts = Prompts(args.base)
@@ -157,11 +169,10 @@ def main(argv: list[str] | None = None) -> None:
             "per_tool": PER_TOOL, "instruction": INSTRUCTION, "folds": {}}
     for held, train_sets in folds:
         started = time.perf_counter()
-        model = load(args.base, device)
-        add_lora(model, args.rank, args.alpha)
-        items = pairs(train_sets, args.seed)
-        losses = train_writer(model, prompts, items, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                              seed=args.seed, device=device, log=lambda m, h=held: print(f"[{h}] {m}", flush=True))
+        model, losses, items = trained_writer(args.base, prompts, train_sets, device, rank=args.rank,
+                                              alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size,
+                                              lr=args.lr, seed=args.seed,
+                                              log=lambda m, h=held: print(f"[{h}] {m}", flush=True))
         trained = time.perf_counter() - started
         fold = {"trained_on": train_sets, "pairs": len(items), "loss_first": losses[0], "loss_last": losses[-1],
                 "train_s": round(trained, 1)}
