@@ -75,8 +75,9 @@ def admission(args) -> None:
     rows, retriever = [], None
     for max_seqs in args.max_seqs:
         for check in (False, True):
-            settings = replace(Settings(), backend=args.backend, max_seqs=max_seqs, max_waiting=4 * args.requests)
-            engine, encoder, info = build_engine(settings)
+            settings = replace(Settings(), backend=args.backend, max_seqs=max_seqs, max_waiting=4 * args.requests,
+                               reader_dir="")
+            engine, encoder, _, info = build_engine(settings)
             engine.config = replace(engine.config, admission=check)
             if retriever is None:
                 vectors, _ = computed_vectors(trie, encoder)

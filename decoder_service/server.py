@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 import uuid
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2
@@ -21,6 +22,7 @@ from decoder_service.confidence import Calibrator
 from decoder_service.engine.fusion import RETRIEVAL_ORDER
 from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError, Stopped
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
+from decoder_service.reader import Reader
 from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
@@ -56,18 +58,19 @@ FAILED_CODES = {"internal": grpc.StatusCode.INTERNAL, "deadline": grpc.StatusCod
                 "busy": grpc.StatusCode.RESOURCE_EXHAUSTED}
 
 
-def retrieved(rt, shortlist, k: int):
-    """MODE_RETRIEVE's events: the shortlist's first k tools as the answer, then Done."""
+def retrieved(rt, shortlist, k: int, prefill_ms: float = 0.0):
+    """The events of an answer taken in the shortlist's order (retrieval's, or the reader's): its first k tools,
+    then Done."""
     for i, pid in enumerate(shortlist.ids[:k]):
         pid = int(pid)
         yield PointerEvent(index=i, pointer_id=pid, name=rt.trie.pointer_names[pid],
                            token_ids=tuple(rt.spelled[pid]), logprob=0.0)
-    yield DoneEvent(prompt_tokens=0, generated_tokens=0, queue_ms=0.0, prefill_ms=0.0, decode_ms=0.0)
+    yield DoneEvent(prompt_tokens=0, generated_tokens=0, queue_ms=0.0, prefill_ms=prefill_ms, decode_ms=0.0)
 
 
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
-    def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict):
-        self.engine, self.catalogs, self.info = engine, catalogs, info
+    def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict, reader: Reader | None = None):
+        self.engine, self.catalogs, self.info, self.reader = engine, catalogs, info, reader
         self.calibrator = Calibrator.load()
         self.draining = False
         self._live_ids: set[str] = set()   # the request ids of the Discover calls in flight
@@ -104,22 +107,26 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             yield from self._discover(request, request_id, context)
 
     def _discover(self, request, request_id: str, context):
-        """Discover's stream: pin a version, retrieve, decode where the request's mode says so, stream the pointers.
-        MODE_AUTO decodes only where the generator can change the answer: below the version's RETRIEVAL_ORDER
-        weight and with more than k tools to choose from; elsewhere it answers at retrieval's cost."""
+        """Discover's stream: pin a version, retrieve, decode or read where the request's mode says so, stream the
+        pointers. MODE_AUTO decodes where the generator's selector can change the answer (below the version's
+        RETRIEVAL_ORDER weight); on a catalog it was not tuned on the reader reranks the shortlist where there is
+        one; with no more than k tools to choose from, it answers at retrieval's cost."""
         started = time.monotonic()
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
         except Exception as e:  # noqa: BLE001 - mapped to a status
             self._abort(context, status_for(e, REFUSALS), client_message(e))
-        seq = None  # once submitted, the engine releases the catalog pin when it lets go of the request
+        seq = read = None  # once submitted, the engine releases the catalog pin when it lets go of the request
         try:
             try:
                 auto = request.mode == pb.MODE_AUTO
                 decode = request.mode == pb.MODE_DECODE or auto and rt.fusion_weight < RETRIEVAL_ORDER
                 shortlist = self.engine.retrieve(rt, request.intent, request.k, list(request.allow) or None,
                                                  request.shortlist, prompt=decode)
-                decode = decode and not (auto and request.k >= len(shortlist.ids))   # it would choose them all
+                choice = request.k < len(shortlist.ids)   # otherwise the generator would choose them all
+                decode = decode and (choice or not auto)
+                if auto and not decode and choice and self.reader is not None:
+                    read = self.reader.read(rt.trie, request.intent, shortlist, request.k)
                 if decode:
                     seq = self.engine.submit(rt, request.intent, request.k, request_id=request_id,
                                              timeout=context.time_remaining(), shortlist=shortlist,
@@ -132,8 +139,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": request_id})
             yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=request_id))
             rank = {int(p): (r, float(shortlist.scores[r])) for r, p in enumerate(shortlist.ids)}
-            events = seq if seq is not None else retrieved(rt, shortlist, request.k)
-            stage = "generator" if decode else "retrieval"
+            events = (seq if seq is not None else retrieved(rt, read, request.k, read.seconds * 1e3) if read
+                      else retrieved(rt, shortlist, request.k))
+            stage = "generator" if decode else "reader" if read else "retrieval"
             confidence, cut = 1.0, 0   # each pointer's, capped by the one before: a cut is the answer's tail
             for event in events:
                 if isinstance(event, FailedEvent):
@@ -147,8 +155,9 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 if event.index == 0:
                     FIRST_POINTER.observe(time.monotonic() - started)
                 r, score = rank[event.pointer_id]
-                confidence = self.calibrator.confidence(stage, shortlist.scores, request.k, r, event.logprob,
-                                                        confidence)
+                # the reader has no fitted model of its own: its pointers are calibrated by their retrieval scores
+                confidence = self.calibrator.confidence("retrieval" if read else stage, shortlist.scores, request.k,
+                                                        r, event.logprob, confidence)
                 if confidence < request.min_confidence:
                     cut += 1
                     continue
@@ -173,8 +182,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
 
 
 def build_engine(settings: Settings):
-    """Model, backend, KV pool, engine and the retriever's encoder from the settings; returns (engine,
-    encoder or None, info for GetInfo)."""
+    """Model, backend, KV pool, engine, the retriever's encoder and the reader from the settings; returns (engine,
+    encoder or None, reader or None, info for GetInfo)."""
     from decoder_service.encoder import load_encoder
     from decoder_service.engine.fusion import tuned_tools
     from decoder_service.gpu.device import resolve_backend
@@ -198,9 +207,10 @@ def build_engine(settings: Settings):
                                               fusion_weight_unseen=settings.fusion_weight_unseen),
                           tuned_tools=tuned_tools(settings.model_dir))
     encoder = load_encoder(settings.encoder_dir, kind) if settings.encoder_dir else None
+    reader = Reader(Path(settings.reader_dir), kind) if settings.reader_dir else None
     info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind),
             "encoder": encoder.name if encoder else ""}
-    return engine, encoder, info
+    return engine, encoder, reader, info
 
 
 def watch_metrics(engine: DecodeEngine, stop: threading.Event) -> None:
@@ -291,13 +301,13 @@ def serve(settings: Settings | None = None) -> None:
     settings = settings or Settings()
     if not settings.redis_url:
         raise SystemExit("REDIS_URL is not set: point it at a Redis (`make run` starts one for you)")
-    engine, encoder, info = build_engine(settings)
+    engine, encoder, reader, info = build_engine(settings)
     engine.on_step = STEP_SECONDS.observe
     engine.start()
     store = CatalogStore.from_settings(settings)
     catalogs = CatalogManager(store, engine, settings.catalogs or None, encoder=encoder,
                               lease_seconds=settings.lease_seconds)
-    servicer = DecoderServicer(engine, catalogs, info)
+    servicer = DecoderServicer(engine, catalogs, info, reader)
     # A Discover stream holds a handler thread while it runs or waits: one per admitted or queued
     # request (plus a few for GetInfo and health), so the queue bound, not the pool, refuses work.
     credentials = server_credentials(settings)

@@ -12,6 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"            # converted from its PyPI wheel
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-tuned"    # the base + tune/adapters (make model)
 DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
+DEFAULT_READER_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-writer"  # the base + tune/writer_adapters
 
 # Environment variable -> (default, meaning). Read by Settings and listed by `tooltrie env`.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -20,6 +21,9 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_MODEL_DIR": (str(DEFAULT_MODEL_DIR), "Hugging Face-layout model directory"),
     "TOOLTRIE_ENCODER_DIR": (str(DEFAULT_ENCODER_DIR), "the dense retriever's sentence encoder (BERT family, "
                              "Hugging Face layout); empty: BM25 alone"),
+    "TOOLTRIE_READER_DIR": ("", "decoder: the reader, a model trained to write a tool's requests, "
+                            "which reranks the shortlist of a catalog the selector was not tuned on "
+                            "(docs/quality.md); empty: such a catalog is answered in retrieval's order"),
     "TOOLTRIE_SHORTLIST": ("12", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
     "TOOLTRIE_FUSION_WEIGHT": ("1", "decoder: logits one retrieval rank is worth in the answer's order "
                                "(0: the generator alone; large: retrieval's order; docs/quality.md)"),
@@ -88,6 +92,7 @@ class Settings:
     namespace: str = field(default_factory=lambda: _env("TOOLTRIE_NAMESPACE"))
     model_dir: Path = field(default_factory=lambda: Path(_env("TOOLTRIE_MODEL_DIR")))
     encoder_dir: str = field(default_factory=lambda: _env("TOOLTRIE_ENCODER_DIR"))
+    reader_dir: str = field(default_factory=lambda: _env("TOOLTRIE_READER_DIR"))
     shortlist: int = field(default_factory=lambda: int(_env("TOOLTRIE_SHORTLIST")))
     fusion_weight: float = field(default_factory=lambda: float(_env("TOOLTRIE_FUSION_WEIGHT")))
     fusion_weight_unseen: float = field(default_factory=lambda: float(_env("TOOLTRIE_FUSION_WEIGHT_UNSEEN")))

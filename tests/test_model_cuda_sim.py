@@ -131,7 +131,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     from decoder_service.model.cuda.backend import CudaBackend
     from decoder_service.gpu.intrinsics import SIM
     from decoder_service.model.kv_pool import KVPoolSpec
-    from decoder_service.model.reference import ReferenceModel
+    from decoder_service.model.reference import ReferenceModel, log_probabilities
     from decoder_service.model.weights import load_weights
     from model_fixtures import make_tiny_model
 
@@ -161,8 +161,15 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         n = rng.integers(1, 7, N).astype(np.int32)
         sp = be.sparse_logits(cand, n)
         eq = all(np.array_equal(sp[i, :n[i]], lg[i, cand[i, :n[i]]]) for i in range(N))
-        ok = rel < tol and (dtype == "float32" or same_arg) and eq and bool(np.isfinite(lg).all())
-        checks.append(dict(tag=tag, rel=rel, same_argmax=same_arg, sparse_eq_dense=eq, ok=bool(ok)))
+        # k_logprob: its own logits' log-softmax at the targets (float32 sums), and the reference's within tol
+        targets = rng.integers(0, cfg.vocab_size, N).astype(np.int32)
+        lp = be.token_logprobs(targets).astype(np.float64)
+        own = float(np.abs(lp - log_probabilities(lg.astype(np.float64), targets)).max())
+        lp_rel = float(np.abs(lp - ref.token_logprobs(targets)).max() / max(1.0, np.abs(lp).max()))
+        ok = (rel < tol and (dtype == "float32" or same_arg) and eq and bool(np.isfinite(lg).all()) and own < 1e-4
+              and lp_rel < tol)
+        checks.append(dict(tag=tag, rel=rel, same_argmax=same_arg, sparse_eq_dense=eq, logprob_own=own,
+                           logprob_rel=lp_rel, ok=bool(ok)))
         return lg, lr
 
     prompt = rng.integers(3, cfg.vocab_size, 11).tolist()     # 3 attention tiles under the simulator

@@ -59,7 +59,8 @@ def test_the_writer_learns_a_request_and_writes_it_back(tiny):
 def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_clause(tiny):
     import torch
 
-    from tune.reader import likelihoods, reader_score, reranked
+    from decoder_service.reader import reader_score
+    from tune.reader import answer, likelihoods
     prompts = Prompts(tiny)
     model = tmodel.load(tiny, "cpu")
     row = {"parts": ["weather in paris"], "shortlist": ["weather", "flights"], "scores": [1.0, 0.0], "gold": ["x"]}
@@ -71,5 +72,21 @@ def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_c
     assert got[0][0][1] == pytest.approx(expected, abs=2e-3)
     # the second tool wins where a clause favours it enough to outweigh retrieval's order
     assert list(reader_score([[0.0, 1.0], [-5.0, -1.0]])) == pytest.approx([-1.0, 1.0])
-    assert reranked(row, [[-9.0, -1.0]], beta=0.5) == ["weather"]
-    assert reranked(row, [[-9.0, -1.0]], beta=2.0) == ["flights"]
+    assert answer(row, [[-9.0, -1.0]], beta=0.5) == ["weather"]
+    assert answer(row, [[-9.0, -1.0]], beta=2.0) == ["flights"]
+
+
+def test_the_served_reader_gives_the_measured_readers_likelihoods(tiny):
+    """decoder_service.reader (the model runtime, heads and parts in separate steps) against tune.reader (PyTorch,
+    each head + part whole): the figures measured are the ones served."""
+    import numpy as np
+
+    from decoder_service.reader import Reader
+    from tune.reader import likelihoods
+    tools = {"weather": "Weather forecast of a city", "flights": "Search flights between two airports", "notes": ""}
+    intent = "What is the weather in Rome tomorrow, and then find a flight from Paris to Rome."
+    row = {"parts": intent_parts(intent), "shortlist": list(tools)}
+    measured = likelihoods(tmodel.load(tiny, "cpu"), Prompts(tiny), [row], tools, "cpu")[0]
+    reader = Reader(tiny, "cpu")
+    served = reader.likelihoods(*reader.tokens(list(tools.items()), intent))
+    np.testing.assert_allclose(served, measured, rtol=1e-3, atol=1e-3)

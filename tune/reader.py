@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from decoder_service.retrieval.host import standardised, top_n
+from decoder_service.reader import Prompts, reranked
 from shared import dataset
 
 DEPTH = 12           # the service's shortlist
@@ -86,22 +86,9 @@ def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: st
     return out
 
 
-def z(x) -> np.ndarray:
-    """x standardised over all its entries (decoder_service.retrieval.host.standardised)."""
-    x = np.asarray(x, np.float64)
-    return standardised(x, np.ones(len(x), bool))
-
-
-def reader_score(parts: list[list[float]]) -> np.ndarray:
-    """A tool's reader score: its best clause's log-likelihood, each clause standardised over the shortlist (a
-    request for several tools names each in a clause, and clauses differ in length)."""
-    return np.max([z(p) for p in parts], axis=0)
-
-
-def reranked(row: dict, parts: list[list[float]], beta: float) -> list[str]:
-    """The row's top k by z(retrieval) + beta * reader score; the lower shortlist position on a tie."""
-    fused = z(row["scores"]) + beta * reader_score(parts)
-    return [row["shortlist"][i] for i in top_n(fused, len(row["gold"]))]
+def answer(row: dict, parts: list[list[float]], beta: float) -> list[str]:
+    """The row's top k by z(retrieval) + beta * reader score (decoder_service.reader.reranked)."""
+    return [row["shortlist"][i] for i in reranked(np.asarray(row["scores"]), parts, len(row["gold"]), beta)]
 
 
 def report(data: dict, scored: dict) -> dict:
@@ -114,11 +101,11 @@ def report(data: dict, scored: dict) -> dict:
             for model in scored[name]:
                 for beta in BETAS:
                     methods[f"{model} beta={beta:g}"] = (lambda i, r, s=scored[name][model], b=beta:
-                                                         reranked(r, s[i], b))
-            for method, answer in methods.items():
+                                                         answer(r, s[i], b))
+            for method, chosen in methods.items():
                 hits, gold = defaultdict(int), defaultdict(int)
                 for i, r in rows:
-                    got = len(set(answer(i, r)) & set(r["gold"]))
+                    got = len(set(chosen(i, r)) & set(r["gold"]))
                     for group in ("all", str(len(r["gold"])) if len(r["gold"]) < 4 else "4+"):
                         hits[group] += got
                         gold[group] += len(r["gold"])
@@ -127,20 +114,26 @@ def report(data: dict, scored: dict) -> dict:
     return out
 
 
-def score(base: Path, data_path: Path, out: Path, epochs: int, seed: int) -> None:
-    """Train a writer without each set, score that set's shortlists with the base and with it; write and print."""
+def score(base: Path, data_path: Path, out: Path, epochs: int, seed: int, writers: Path | None = None) -> None:
+    """Score each set's shortlists with the base and with a writer that never saw the set: the one `python -m
+    tune.writer` saved in `writers` (merged into the base as the service merges it), else one trained here."""
     import torch
 
+    from tune.merge import merge
     from tune.model import load
-    from tune.writer import Prompts, trained_writer
+    from tune.writer import trained_writer
     device = "cuda" if torch.cuda.is_available() else "cpu"
     data, prompts, scored = json.loads(data_path.read_text()), Prompts(base), {}
     model = load(base, device)
     for name, d in data.items():
         started = time.perf_counter()
         scored[name] = {"base": likelihoods(model, prompts, d["rows"], d["descriptions"], device)}
-        writer, _, _ = trained_writer(base, prompts, [s for s in dataset.SETS if s != name], device, epochs=epochs,
-                                      seed=seed, log=lambda m: None)
+        if writers:
+            merge(base, writers / f"adapters-without-{name}", out / f"writer-without-{name}")
+            writer = load(out / f"writer-without-{name}", device)
+        else:
+            writer, _, _ = trained_writer(base, prompts, [s for s in dataset.SETS if s != name], device,
+                                          epochs=epochs, seed=seed, log=lambda m: None)
         scored[name]["writer"] = likelihoods(writer, prompts, d["rows"], d["descriptions"], device)
         print(f"{name}: {len(d['rows'])} queries, {time.perf_counter() - started:.0f} s", flush=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -175,11 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--epochs", type=int, default=2)
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--writers", type=Path, help="the leave-one-out writers `python -m tune.writer` saved (default: "
+                   "train them here)")
     a = p.parse_args(argv)
     if a.command == "shortlists":
         shortlists(a.out, a.encoder, a.model)
     else:
-        score(a.base, a.shortlists, a.out, a.epochs, a.seed)
+        score(a.base, a.shortlists, a.out, a.epochs, a.seed, a.writers)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ owner's words; a user's request says what they want, in theirs. The writer learn
 request -> tool pairs of the training splits (less the selection split), and writes a few requests for each tool of
 a catalog, which the retriever then uses as it uses an owner's examples. Leave one data set out: for each data set
 a writer is trained on the other two and writes that set's requests; a last writer, trained on all three, is the
-one a service would run on a user's catalog. Greedy decoding from a few fixed openers: the same tool gives the same
-requests. Writes `written-<set>.json` ({tool name: [requests]}) and `card.json` (recipe, losses, timings).
+one a service reads a user's catalog with (decoder_service/reader.py). Each writer's adapters are saved
+(`adapters`, `adapters-without-<set>`); with --write each leave-one-out writer writes its set's requests, greedily
+from a few fixed openers (`written-<set>.json`: {tool name: [requests]}). `card.json` has the recipe, losses and
+timings.
 """
 from __future__ import annotations
 
@@ -20,13 +22,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from decoder_service.reader import INSTRUCTION, Prompts
 from decoder_service.retrieval.host import intent_parts
 from shared import dataset
-from shared.prompt import chat_format, tool_line
-from shared.tokenizer import ModelTokenizer
 
-INSTRUCTION = "Write a request a user could send that this tool answers.\nTool: "
-DESCRIPTION_CHARS = 300
 OPENERS = ("", "Can you", "I need", "Please")   # each tool's requests start so: diverse and deterministic
 PER_TOOL = 10          # training pairs kept per tool (MetaTool asks for one tool up to 291 times)
 MAX_NEW = 40           # tokens a written request may take
@@ -75,28 +74,16 @@ def pairs(sets: list[str], seed: int = 0) -> list[Pair]:
     return out
 
 
-class Prompts:
-    """The writer's prompt and target token ids, in the model's chat format."""
-
-    def __init__(self, model_dir: Path):
-        self.tok = ModelTokenizer(model_dir)
-        start, end, stop = chat_format(model_dir)
-        self.head, self.tail = start.format(role="user") + INSTRUCTION, end + start.format(role="assistant")
-        self.stop_id = self.tok.single_token(stop, "stop token")
-
-    def prompt(self, name: str, description: str, opener: str = "") -> list[int]:
-        line = tool_line(name, description, DESCRIPTION_CHARS)[2:]
-        return self.tok.encode(self.head + line + self.tail + opener)
-
-    def example(self, p: Pair) -> tuple[list[int], list[int]]:
-        return self.prompt(p.name, p.description), self.tok.encode(p.request) + [self.stop_id]
+def example(prompts: Prompts, p: Pair) -> tuple[list[int], list[int]]:
+    """A pair as (prompt ids, target ids): the tool's prompt, then the request and the stop token."""
+    return prompts.prompt(p.name, p.description), prompts.tok.encode(p.request) + [prompts.stop_id]
 
 
 def train_writer(model, prompts: Prompts, items: list[Pair], *, epochs: int, batch_size: int, lr: float, seed: int,
                  device: str, log=print) -> list[float]:
     """Train the model's trainable parameters on the pairs (request-token cross-entropy); each step's loss."""
     from tune.train import fit
-    return fit(model, items, lambda p, rng: prompts.example(p), prompts.stop_id, epochs=epochs,
+    return fit(model, items, lambda p, rng: example(prompts, p), prompts.stop_id, epochs=epochs,
                batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
 
 
@@ -151,8 +138,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--folds", default="loo", choices=["loo", "all", "both"],
-                   help="leave-one-out writers (each writes its left-out set), the writer of all sets, or both")
+    p.add_argument("--folds", default="both", choices=["loo", "all", "both"],
+                   help="leave-one-out writers (adapters-without-<set>), the writer of all sets (adapters), or both")
+    p.add_argument("--write", action="store_true", help="each leave-one-out writer writes requests for its "
+                   "left-out set's tools (written-<set>.json, document expansion)")
     p.add_argument("--device", default="")
     args = p.parse_args(argv)
     import torch
@@ -176,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
         trained = time.perf_counter() - started
         fold = {"trained_on": train_sets, "pairs": len(items), "loss_first": losses[0], "loss_last": losses[-1],
                 "train_s": round(trained, 1)}
-        if held == "all":
-            save_adapters(model, args.out / "adapters", args.rank, args.alpha, base_fingerprint(args.base))
-        else:
+        save_adapters(model, args.out / ("adapters" if held == "all" else f"adapters-without-{held}"), args.rank,
+                      args.alpha, {"fingerprint": base_fingerprint(args.base), "trained_on": train_sets})
+        if args.write and held != "all":
             tools = json.loads(dataset.catalog_path(held).read_text(encoding="utf-8"))
             written = write(model, prompts, tools, device)
             (args.out / f"written-{held}.json").write_text(json.dumps(written, indent=0, ensure_ascii=False))

@@ -18,6 +18,7 @@ from numba import njit, prange
 from .batch import StepBatch
 from .config import ModelConfig
 from .kv_pool import HostKVPool, KVPoolSpec
+from .reference import log_probabilities
 from .weights import Weights, to_float32
 
 _KEY_BLOCK = 64  # keys per block in attention (a multiple of 4)
@@ -237,6 +238,9 @@ class CpuBackend:
         out = np.empty((len(self.hidden), self.cfg.vocab_size), np.float32)
         matmul_t(self.hidden, self.w["lm_head"], out)
         return out
+
+    def token_logprobs(self, targets: np.ndarray) -> np.ndarray:
+        return log_probabilities(self.dense_logits(), targets)
 
     def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
         """Logits of each row's first n[i] candidates only. The same matmul kernel on the gathered head

@@ -47,6 +47,13 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+def log_probabilities(logits: np.ndarray, targets: np.ndarray) -> np.ndarray:
+    """Each row's log-probability of its target token: logits[r, targets[r]] - logsumexp(logits[r])."""
+    m = logits.max(axis=1)
+    total = np.log(np.exp(logits - m[:, None]).sum(axis=1)) + m
+    return logits[np.arange(len(targets)), targets] - total
+
+
 class ReferenceModel:
     """Same interface as a backend: forward(batch), dense_logits(), sparse_logits(cand, n)."""
 
@@ -99,6 +106,9 @@ class ReferenceModel:
 
     def dense_logits(self) -> np.ndarray:
         return self.hidden @ self.w["lm_head"].T
+
+    def token_logprobs(self, targets: np.ndarray) -> np.ndarray:
+        return log_probabilities(self.dense_logits(), targets)
 
     def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
         out = np.zeros(cand.shape, np.float64)

@@ -218,6 +218,8 @@ class CudaBackend:
         self.cand = self.cand_ints[0:N * C]
         self.ncand = self.cand_ints[N * C:N * C + N]
         self.sparse = cuda.device_array(N * C, np.float32)
+        self.targets = cuda.device_array(N, np.int32)
+        self.logprob = cuda.device_array(N, np.float32)
         # attention context splits: partials (max, sum, acc[hd]) per (row, head, split) and a
         # done-counter per (row, head) or (row tile, KV head); the two kernels run one after the other
         self.attn_part = cuda.device_array(R * nh * MAX_SPLITS * (hd + 2), np.float32)
@@ -244,7 +246,7 @@ class CudaBackend:
         """The kernels this model launches, compiled or loaded from the disk cache (the prompt tiles' kernel
         is one of MMA_ATTN_KERNELS or k_attn_tiles), and what depends on their occupancy."""
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_rope_table", self.tiles_kernel]
+                 "k_logprob", "k_rope_table", self.tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp), kind] for kp in (self.kp_h, self.kp_q, self.kp_i)
                              for kind in GEMM_KINDS})
@@ -424,6 +426,8 @@ class CudaBackend:
                                      ncand=self.ncand, cmax=self.max_candidates, out=self.sparse, pf=self.prefetch,
                                      epl=epl), st, "sparse_head"),
                          max(1, -(-self.max_candidates // (2 * nwc))))
+        self.l_logprob = Launch(k["k_logprob"], self.t_gemv, 0, dict(logits=self.logits, V=V, targets=self.targets,
+                                                                    out=self.logprob), st, "logprob")
 
     # ------------------------------------------------------------------------- device-level entries
     def _ensure_context(self) -> None:
@@ -668,6 +672,22 @@ class CudaBackend:
             self.stream.synchronize()
             out[:, c0:c1] = self._out_host[: N * Cm].reshape(N, Cm)[:, : c1 - c0]
         return out
+
+    def token_logprobs(self, targets: np.ndarray) -> np.ndarray:
+        """Each logit row's log-probability of its target token (float32 [N]): the dense head and k_logprob on
+        the device, N floats back instead of N x vocab."""
+        self._ensure_context()
+        N, V = self._N, self.cfg.vocab_size
+        targets = np.ascontiguousarray(targets, np.int32)
+        if targets.shape != (N,) or N and (targets.min() < 0 or targets.max() >= V):
+            raise ModelError(f"token_logprobs: targets must be [{N}] token ids in [0, {V})")
+        self._cand_host[:N] = targets
+        self.stream.h2d(self.targets, self._cand_host, N)
+        self.launch_dense(N)
+        self.l_logprob.launch(N)
+        self.stream.d2h(self._out_host, self.logprob, N)
+        self.stream.synchronize()
+        return self._out_host[:N].copy()
 
     def kv_cache(self) -> tuple[np.ndarray, np.ndarray]:
         """The pool as host arrays [L, num_blocks, block_size, n_kv, head_dim] (synchronous copy)."""

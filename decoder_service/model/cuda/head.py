@@ -1,5 +1,6 @@
-"""The model's ends: the token embedding in, the sparse head (logits of candidate tokens only) out;
-the dense head is a GEMV (matmul.k_gemv over the vocabulary)."""
+"""The model's ends: the token embedding in, the sparse head (logits of candidate tokens only) out, and a target
+token's log-probability over the dense head's logits; the dense head is a GEMV (matmul.k_gemv over the
+vocabulary)."""
 from __future__ import annotations
 
 import math
@@ -11,7 +12,7 @@ from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias bef
 from numba import cuda
 from numba import float32 as nb_f32
 
-from decoder_service.gpu.intrinsics import WARP, ld8, pdl_enter
+from decoder_service.gpu.intrinsics import WARP, block_max, block_sum, ld8, pdl_enter
 from .matmul import dot2, prefetch_row, stage_row
 SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
 
@@ -83,6 +84,32 @@ def k_sparse(h, h_stride, W, Q, V, cand, ncand, cmax, out, pf, epl):
 
 SIGNATURES["k_sparse"] = lambda t: (t.f32, t.i32, t.W, t.i32, t.i32, t.ai, t.ai, t.i32, t.f32, t.i32,
                                     t.i32)
+
+
+@cuda.jit(cache=True)
+def k_logprob(logits, V, targets, out):
+    """out[r] = logits[r, targets[r]] - logsumexp(logits[r, :V]): the log-probability of a row's target token (the
+    reader's query likelihood), with only a float a row leaving the device. A block a row, its reductions in a fixed
+    order, so a row's value never depends on the other rows. Grid (N,)."""
+    pdl_enter()
+    red = cuda.shared.array(32, nb_f32)
+    r = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    T = cuda.blockDim.x
+    nw = T // WARP
+    base = np.int64(r) * V
+    m = np.float32(-math.inf)
+    for j in range(tid, V, T):
+        m = max(m, logits[base + j])
+    m = block_max(m, red, tid, nw)
+    s = np.float32(0.0)
+    for j in range(tid, V, T):
+        s += math.exp(logits[base + j] - m)
+    s = block_sum(s, red, tid, nw)
+    if tid == 0:
+        out[r] = logits[base + targets[r]] - (m + math.log(s))
+
+SIGNATURES["k_logprob"] = lambda t: (t.f32, t.i32, t.ai, t.f32)
 
 
 # ------------------------------------------------------------------------------------- signatures

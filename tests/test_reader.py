@@ -1,0 +1,161 @@
+"""The reader (decoder_service/reader.py): query likelihoods on the model runtime, and the rerank they give."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from decoder_service.model.batch import StepBatch
+from decoder_service.model.config import ModelConfig
+from decoder_service.model.kv_pool import KVPoolSpec
+from decoder_service.model.reference import ReferenceModel
+from decoder_service.model.weights import load_weights
+from decoder_service.reader import Reader, reader_score, reranked
+from model_fixtures import make_tiny_model
+from tokenizer_fixtures import make_tokenizer_dir
+
+VOCAB = 512
+TOOLS = [("weather", "Weather forecast of a city"), ("flights", "Search flights between two airports"),
+         ("stocks", "The latest price of a stock ticker, and its history over a year"), ("translate", ""),
+         ("calendar", "Create, move and delete events in a calendar")]
+INTENT = "What will the weather be in Paris tomorrow, and then book a flight from Paris to Rome."
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    base = make_tiny_model(tmp_path_factory.mktemp("reader"), "llama", "float32", tied=True, seed=2,
+                           config_overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048})
+    make_tokenizer_dir(base, vocab_size=VOCAB)
+    return base
+
+
+def reference_likelihoods(model_dir, heads, parts) -> np.ndarray:
+    """Each head + part computed whole, one sequence at a time, by the float64 reference."""
+    cfg = ModelConfig.from_dir(model_dir)
+    longest = max(len(h) for h in heads) + max(len(p) for p in parts)
+    ref = ReferenceModel(cfg, load_weights(model_dir, cfg, "float32", progress=False),
+                         KVPoolSpec(num_blocks=-(-longest // 16), block_size=16))
+    table = np.arange(-(-longest // 16), dtype=np.int32)[None]
+    out = np.zeros((len(parts), len(heads)))
+    for p, part in enumerate(parts):
+        for h, head in enumerate(heads):
+            seq = head + part
+            rows = np.arange(len(head) - 1, len(seq) - 1, dtype=np.int32)
+            ref.forward(StepBatch(np.asarray(seq, np.int32), np.zeros(len(seq), np.int32),
+                                  np.arange(len(seq), dtype=np.int32), table, rows))
+            out[p, h] = ref.token_logprobs(np.asarray(part, np.int32)).sum()
+    return out
+
+
+def test_a_request_is_scored_after_each_tool_for_the_whole_request_and_each_clause(tiny):
+    reader = Reader(tiny, "cpu")
+    heads, parts = reader.tokens(TOOLS, INTENT)
+    assert len(parts) == 3, "the request and its two clauses"
+    got = reader.likelihoods(heads, parts)
+    assert got.shape == (3, len(TOOLS))
+    np.testing.assert_allclose(got, reference_likelihoods(tiny, heads, parts), rtol=1e-4)
+
+
+def test_a_tools_score_does_not_depend_on_the_others_or_on_how_steps_are_cut(tiny):
+    """Heads share no step with the parts that read them, and a small step splits the shortlist into groups:
+    the same bits for a tool alone, in a full shortlist, and in steps of a few rows."""
+    heads, parts = Reader(tiny, "cpu").tokens(TOOLS, INTENT)
+    whole = Reader(tiny, "cpu").likelihoods(heads, parts)
+    small = Reader(tiny, "cpu", step_rows=160)
+    cut = small.likelihoods(heads, parts)
+    alone = np.stack([small.likelihoods([h], parts)[:, 0] for h in heads], axis=1)
+    assert np.array_equal(whole, cut) and np.array_equal(whole, alone)
+
+
+def test_a_long_request_is_read_up_to_the_bound(tiny):
+    from decoder_service.reader import PART_TOKENS, READ_TOKENS
+    reader = Reader(tiny, "cpu")
+    clause = "please look up the weather forecast for the city of paris in france for the next ten days"
+    heads, parts = reader.tokens(TOOLS, ". ".join([" ".join([clause] * 3)] * 7))
+    assert len(parts[0]) == PART_TOKENS, "the whole request, cut"
+    assert all(len(p) <= PART_TOKENS for p in parts) and sum(map(len, parts)) <= READ_TOKENS
+    assert 1 < len(parts) < 8, "clauses past the bound are not read"
+    assert reader.likelihoods(heads, parts).shape == (len(parts), len(TOOLS))
+
+
+def test_the_rerank_takes_the_best_clause_and_keeps_retrieval_order_on_a_tie():
+    # two tools, each favoured by one clause: both stand level on the reader, so retrieval's order decides
+    assert list(reader_score([[0.0, 1.0], [1.0, 0.0]])) == [1.0, 1.0]
+    assert list(reranked(np.array([1.0, 0.0]), [[0.0, 1.0], [1.0, 0.0]], 1)) == [0]
+    # a clause that favours the second tool strongly enough outweighs retrieval's order, by beta
+    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1, beta=0.5)) == [0]
+    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1, beta=2.0)) == [1]
+    # k distinct positions, best first
+    order = reranked(np.array([3.0, 2.0, 1.0, 0.0]), [[0.0, 0.0, 5.0, 0.0]], 3)
+    assert sorted(set(order.tolist())) == sorted(order.tolist()) and order[0] == 2
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny, small_tokenizer_dir, redis_url):
+    """The decoder over real gRPC and a real Redis with the tiny reader, its tiny engine never tuned on the
+    catalog (so MODE_AUTO reads where it has a choice)."""
+    import json
+    import time
+    import uuid
+
+    import grpc
+
+    from compiler_service.compiler import compile_catalog
+    from decoder_service.catalogs import CatalogManager
+    from decoder_service.server import SERVICE, DecoderServicer
+    from devstack.redis_server import free_port
+    from engine_fixtures import make_engine, tiny_backend
+    from shared.catalog import registry_from_entries
+    from shared.rpc import decoder_pb2_grpc as pb_grpc
+    from shared.serving import make_server
+    from shared.store import CatalogStore
+    from shared.tokenizer import ModelTokenizer
+    from tokenizer_fixtures import catalog_path
+    tok = ModelTokenizer(small_tokenizer_dir)
+    engine = make_engine(tiny_backend(tmp_path_factory.mktemp("engine"), tok.tokenizer.get_vocab_size(), 512), tok,
+                         512, max_waiting=16, fusion_weight_unseen=1000.0)
+    engine.start()
+    store = CatalogStore.from_url(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    store.publish("unseen", compile_catalog(registry_from_entries(json.loads(catalog_path("metatool").read_text())
+                                                                  [:20]), tok))
+    catalogs = CatalogManager(store, engine)
+    catalogs.start()
+    reader = Reader(tiny, "cpu")
+    servicer = DecoderServicer(engine, catalogs, {"model": "tiny", "backend": "cpu", "device": "cpu"}, reader)
+    addr = f"127.0.0.1:{free_port()}"
+    server, _ = make_server(addr, lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE])
+    server.start()
+    deadline = time.monotonic() + 60
+    while not catalogs.ready():
+        assert time.monotonic() < deadline, "the catalog did not load"
+        time.sleep(0.05)
+    channel = grpc.insecure_channel(addr)
+    yield {"stub": pb_grpc.DecoderServiceStub(channel), "engine": engine, "catalogs": catalogs, "reader": reader}
+    channel.close()
+    server.stop(0)
+    catalogs.stop()
+    engine.stop()
+
+
+def ask(stub, **kw):
+    from shared.rpc import decoder_pb2 as pb
+    events = list(stub.Discover(pb.DiscoverRequest(catalog="unseen", **kw), timeout=60))
+    return [e.pointer for e in events[1:-1]], events[-1].done
+
+
+def test_an_unseen_catalog_is_answered_by_the_reader_over_retrievals_shortlist(served):
+    from shared.rpc import decoder_pb2 as pb
+    intent = "translate this sentence to french and then check the weather in paris"
+    pointers, done = ask(served["stub"], intent=intent, k=2)
+    assert done.stage == "reader" and done.generated_tokens == 0 and done.prefill_ms > 0
+    rt = served["catalogs"].acquire("unseen", 0)
+    try:
+        shortlist = served["engine"].retrieve(rt, intent, 2, prompt=False)
+        expected = served["reader"].read(rt.trie, intent, shortlist, 2)
+        assert [p.name for p in pointers] == [rt.trie.pointer_names[i] for i in expected.ids]
+    finally:
+        served["catalogs"].release(rt)
+    assert len({p.name for p in pointers}) == 2
+    # the same request gives the same answer; asked for retrieval, or with nothing to choose, retrieval answers
+    assert [p.name for p in ask(served["stub"], intent=intent, k=2)[0]] == [p.name for p in pointers]
+    assert ask(served["stub"], intent=intent, k=2, mode=pb.MODE_RETRIEVE)[1].stage == "retrieval"
+    assert ask(served["stub"], intent=intent, k=3, shortlist=3)[1].stage == "retrieval"
