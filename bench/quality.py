@@ -12,9 +12,8 @@ the prompt, the generator constrained to it, the answer's order fused with retri
 k is each query's number of gold tools. Beside them, in the same run (`--unseen`, default loo), each data set as a
 catalog nobody has seen (leave one data set out): published without examples, answered by BM25, by the dense and
 fused retrievers with the base encoder and with the service encoder's counterpart trained without that set, and by
-tooltrie at the unseen fusion weight and, where a reader trained without that set is merged (`make quality`, from
-var/writers), by the reader reranking those shortlists as the service does; each query's answers are kept in the
-results. Prints a markdown table with
+tooltrie at the unseen fusion weight and with the reader reranking those shortlists as the service does (a reader
+that never saw that set); each query's answers are kept in the results. Prints a markdown table with
 rows per k and writes bench/results/quality_<device>.json. --sample N takes every m-th query so that N remain (0:
 all).
 """
@@ -40,17 +39,14 @@ from decoder_service.model.backend import device_name, make_backend, weights_dty
 from decoder_service.model.config import ModelConfig
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.weights import load_weights
-from decoder_service.reader import Reader
+from decoder_service.reader import Reader, trained_sets
 from decoder_service.retrieval.config import DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT
 from decoder_service.retrieval.host import Retriever, bm25_index, intent_parts, top_n
 from decoder_service.retrieval.vectors import computed_vectors
 from shared import dataset
 from shared.catalog import parse_registry
-from shared.config import BASE_MODEL_DIR, DEFAULT_MODEL_DIR, REPO_ROOT, Settings
+from shared.config import DEFAULT_MODEL_DIR, REPO_ROOT, Settings
 from shared.tokenizer import ModelTokenizer
-
-
-READERS = REPO_ROOT / "models"   # where `make quality` merges the leave-one-out writers (var/writers)
 
 
 def sample(queries: list, n: int) -> list:
@@ -78,9 +74,9 @@ class Harness:
     """The model, its engine per fusion weight, and the encoder: loaded once for every data set."""
 
     def __init__(self, model_dir, encoder_dir, backend: str, dense_weight: float = DENSE_WEIGHT,
-                 vote_weight: float = VOTE_WEIGHT, readers: Path = READERS):
+                 vote_weight: float = VOTE_WEIGHT, reader_dir: str = ""):
         self.kind = resolve_backend(backend)
-        self.readers = Path(readers)
+        self.reader_dir = Path(reader_dir) if reader_dir else None
         cfg = ModelConfig.from_dir(model_dir)
         self.spec = KVPoolSpec.from_tokens(65536)
         self.backend = make_backend(cfg, load_weights(model_dir, cfg, weights_dtype(self.kind, cfg)), self.spec,
@@ -197,18 +193,22 @@ class Harness:
             engine.run_until_idle()
             lists[f"tooltrie w={rt.fusion_weight:g} ({label}){suffix}"] = self.decoded(engine, rt, queries,
                                                                                        shortlists)[0]
-            reader = self.reader_without(name)
-            if reader is not None:   # what the service answers: the reader over the same shortlists
-                lists[f"tooltrie, reader ({label}){suffix}"] = [
-                    [names[i] for i in reader.read(trie, q.text, s, len(q.tools)).ids]
-                    for q, s in zip(queries, shortlists)]
+        reader = self.reader_without(name)
+        if reader is not None:   # what the service answers in MODE_AUTO: the reader over the same shortlists
+            lists[f"tooltrie, reader {reader.model_dir.name} ({label}){suffix}"] = [
+                [names[i] for i in reader.read(trie, q.text, s, len(q.tools)).ids] for q, s in zip(queries, shortlists)]
         return lists
 
     def reader_without(self, name: str) -> Reader | None:
-        """The reader whose writer never saw data set `name` (READERS/<model>-writer-without-<name>, merged from
-        `python -m tune.writer`'s adapters), loaded once; None where there is none."""
-        folder = self.readers / f"{BASE_MODEL_DIR.name}-writer-without-{name}"
-        if not (folder / "model.safetensors").is_file():
+        """A reader whose model never saw data set `name`, loaded once: the harness's reader where its writer was
+        not trained on it (the untrained base never was), else its leave-one-out counterpart `<reader>-without-
+        <name>` (`make quality` merges them from var/writers); None where there is neither."""
+        if self.reader_dir is None:
+            return None
+        folder = self.reader_dir
+        if name in trained_sets(folder):
+            folder = folder.with_name(f"{folder.name}-without-{name}")
+        if not (folder / "model.safetensors").is_file() or name in trained_sets(folder):
             return None
         if folder not in self.encoders:
             self.encoders[folder] = Reader(folder, self.kind)
@@ -320,8 +320,8 @@ def quality_arguments(p) -> None:
                    "published without examples, leave one data set out) beside the others, alone, or not")
     p.add_argument("--written", type=Path, default=None, help="a folder of written-<set>.json (tune/writer.py): "
                    "the unseen rows again with those requests as the tools' examples")
-    p.add_argument("--readers", type=Path, default=READERS, help="the folder of the leave-one-out readers "
-                   "(<model>-writer-without-<set>): the unseen rows' tooltrie with the reader, where there is one")
+    p.add_argument("--reader", default=Settings().reader_dir, help="the reader of the unseen rows (its counterpart "
+                   "<reader>-without-<set> for a set it was trained on; empty: none)")
     p.add_argument("--backend", default="auto")
     p.add_argument("--hold-out-tools", type=float, default=0.0, help="fraction of each catalog's tools published "
                    "without examples (shared/dataset.held_out), reported apart as new tools")
@@ -343,7 +343,7 @@ def quality(args) -> None:
     sizes = tuple(int(x) for x in args.shortlists.split(","))
     if sizes != (SHORTLIST,) and args.split == "validation":
         raise SystemExit("--shortlists: sizes are chosen on the training or selection split, never validation")
-    harness = Harness(args.model, args.encoder, args.backend, args.dense_weight, args.vote_weight, args.readers)
+    harness = Harness(args.model, args.encoder, args.backend, args.dense_weight, args.vote_weight, args.reader)
     n = args.sample if args.sample is not None else (0 if harness.kind == "cuda" else 100)
     started = time.perf_counter()
     results, unseen = [], []

@@ -9,6 +9,7 @@ z(retrieval) + beta * reader score (beta chosen on the selection split).
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -41,6 +42,12 @@ class Prompts:
         """The tokens the writer writes a request for this tool after (then the opener's, if any)."""
         line = tool_line(name, description, DESCRIPTION_CHARS)[2:]
         return self.tok.encode(self.head + line + self.tail + opener)
+
+
+def trained_sets(model_dir: Path) -> set[str]:
+    """The data sets a reader's writer was trained on (its merged adapters' config; none for an untrained base)."""
+    config = Path(model_dir) / "tune_adapter_config.json"
+    return set(json.loads(config.read_text())["base"].get("trained_on", [])) if config.is_file() else set()
 
 
 def z(x) -> np.ndarray:

@@ -7,6 +7,7 @@ health service, and serves until SIGTERM, which drains in-flight requests first.
 from __future__ import annotations
 
 import contextlib
+from concurrent.futures import Future
 import logging
 import threading
 import time
@@ -69,7 +70,8 @@ def retrieved(rt, shortlist, k: int, prefill_ms: float = 0.0):
 
 
 class DecoderServicer(pb_grpc.DecoderServiceServicer):
-    def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict, reader: Reader | None = None):
+    def __init__(self, engine: DecodeEngine, catalogs: CatalogManager, info: dict,
+                 reader: Lazy | None = None):
         self.engine, self.catalogs, self.info, self.reader = engine, catalogs, info, reader
         self.calibrator = Calibrator.load()
         self.draining = False
@@ -126,7 +128,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                 choice = request.k < len(shortlist.ids)   # otherwise the generator would choose them all
                 decode = decode and (choice or not auto)
                 if auto and not decode and choice and self.reader is not None:
-                    read = self.reader.read(rt.trie, request.intent, shortlist, request.k)
+                    read = self.reader.get().read(rt.trie, request.intent, shortlist, request.k)
                 if decode:
                     seq = self.engine.submit(rt, request.intent, request.k, request_id=request_id,
                                              timeout=context.time_remaining(), shortlist=shortlist,
@@ -181,9 +183,39 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                                        active_requests=c["active_requests"]) for c in self.catalogs.describe()])
 
 
+def in_background(what: str, make) -> Future:
+    """make() on a thread of its own, as a Future: a part that loads while another does."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(make())
+        except BaseException as e:
+            log.exception("the %s did not load", what)
+            future.set_exception(e)
+    threading.Thread(target=run, name=f"{what}-load", daemon=True).start()
+    return future
+
+
+class Lazy:
+    """A part built on its first use, once: the reader, which only a catalog the selector was not tuned on needs
+    (a decoder that never serves one never loads it, and no start waits for it)."""
+
+    def __init__(self, what: str, make):
+        self.what, self.make, self.value, self.lock = what, make, None, threading.Lock()
+
+    def get(self):
+        with self.lock:
+            if self.value is None:
+                started = time.monotonic()
+                self.value = self.make()
+                log.info("%s loaded in %.2f s", self.what, time.monotonic() - started)
+            return self.value
+
+
 def build_engine(settings: Settings):
     """Model, backend, KV pool, engine, the retriever's encoder and the reader from the settings; returns (engine,
-    encoder or None, reader or None, info for GetInfo)."""
+    encoder or None, the reader (Lazy) or None, info for GetInfo)."""
     from decoder_service.encoder import load_encoder
     from decoder_service.engine.fusion import tuned_tools
     from decoder_service.gpu.device import resolve_backend
@@ -196,6 +228,14 @@ def build_engine(settings: Settings):
     kv_spec = KVPoolSpec.from_tokens(settings.kv_tokens)
     kind = resolve_backend(settings.backend)
     max_seqs = settings.max_seqs or MAX_SEQS[kind]
+
+    def loaded_encoder():
+        encoder = load_encoder(settings.encoder_dir, kind)
+        encoder.encode(["warm"])   # its first pass loads its compiled kernels
+        return encoder
+    # on the CPU the encoder loads and warms while the generator's weights load (numpy lets go of the GIL: on 2 cores
+    # the decoder listens about 0.5 s sooner)
+    encoding = in_background("encoder", loaded_encoder) if settings.encoder_dir and kind == "cpu" else None
     weights = load_weights(settings.model_dir, cfg, weights_dtype(kind, cfg))
     # The GPU backend's step buffers: a logit row per sequence, a block-table row per sequence.
     backend = make_backend(cfg, weights, kv_spec, backend=kind, max_logit_rows=max_seqs,
@@ -206,8 +246,11 @@ def build_engine(settings: Settings):
                                               shortlist=settings.shortlist, fusion_weight=settings.fusion_weight,
                                               fusion_weight_unseen=settings.fusion_weight_unseen),
                           tuned_tools=tuned_tools(settings.model_dir))
-    encoder = load_encoder(settings.encoder_dir, kind) if settings.encoder_dir else None
-    reader = Reader(Path(settings.reader_dir), kind) if settings.reader_dir else None
+    encoder = encoding.result() if encoding else loaded_encoder() if settings.encoder_dir else None
+    reader = None
+    if settings.reader_dir:
+        ModelConfig.from_dir(Path(settings.reader_dir))   # a wrong folder fails the start, not a request
+        reader = Lazy(f"the reader {Path(settings.reader_dir).name}", lambda: Reader(Path(settings.reader_dir), kind))
     info = {"model": str(settings.model_dir.name), "backend": kind, "device": device_name(kind),
             "encoder": encoder.name if encoder else ""}
     return engine, encoder, reader, info

@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"            # converted from its PyPI wheel
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-tuned"    # the base + tune/adapters (make model)
 DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
-DEFAULT_READER_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-writer"  # the base + tune/writer_adapters
+DEFAULT_READER_DIR = BASE_MODEL_DIR   # the reader: the base, untrained (docs/quality.md, "The generator as a reader")
 
 # Environment variable -> (default, meaning). Read by Settings and listed by `tooltrie env`.
 ENV_VARS: dict[str, tuple[str, str]] = {
@@ -21,8 +21,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
     "TOOLTRIE_MODEL_DIR": (str(DEFAULT_MODEL_DIR), "Hugging Face-layout model directory"),
     "TOOLTRIE_ENCODER_DIR": (str(DEFAULT_ENCODER_DIR), "the dense retriever's sentence encoder (BERT family, "
                              "Hugging Face layout); empty: BM25 alone"),
-    "TOOLTRIE_READER_DIR": ("", "decoder: the reader, a model trained to write a tool's requests, "
-                            "which reranks the shortlist of a catalog the selector was not tuned on "
+    "TOOLTRIE_READER_DIR": (str(DEFAULT_READER_DIR), "decoder: the reader, a model that reranks the shortlist of a "
+                            "catalog the selector was not tuned on by how likely each tool makes the request "
                             "(docs/quality.md); empty: such a catalog is answered in retrieval's order"),
     "TOOLTRIE_SHORTLIST": ("12", "decoder: tools retrieved into a request's prompt (a request may ask for another)"),
     "TOOLTRIE_FUSION_WEIGHT": ("1", "decoder: logits one retrieval rank is worth in the answer's order "

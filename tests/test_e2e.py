@@ -39,6 +39,7 @@ class Stack:
         self.compiler_addr, self.decoder_addr = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.metrics_port = free_port()
         self.env = {**os.environ, "REDIS_URL": redis_url or self.redis.url, "TOOLTRIE_MODEL_DIR": str(model_dir),
+                    "TOOLTRIE_READER_DIR": str(model_dir),
                     "TOOLTRIE_COMPILER_ADDR": self.compiler_addr, "TOOLTRIE_DECODER_ADDR": self.decoder_addr,
                     "TOOLTRIE_BACKEND": "cpu", "TOOLTRIE_KV_TOKENS": "65536", "TOOLTRIE_DRAIN_SECONDS": "20",
                     "TOOLTRIE_METRICS_PORT": "0", "TOOLTRIE_NAMESPACE": namespace}

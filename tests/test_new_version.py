@@ -18,7 +18,7 @@ def args_for(tmp_path, *argv):
 @pytest.fixture
 def tiny_model_env(tmp_path, small_tokenizer_dir, monkeypatch):
     model = make_serving_model(tmp_path / "model", small_tokenizer_dir)
-    for name, value in {"TOOLTRIE_MODEL_DIR": str(model), "TOOLTRIE_BACKEND": "cpu",
+    for name, value in {"TOOLTRIE_MODEL_DIR": str(model), "TOOLTRIE_READER_DIR": "", "TOOLTRIE_BACKEND": "cpu",
                         "TOOLTRIE_KV_TOKENS": "65536"}.items():
         monkeypatch.setenv(name, value)
 

@@ -101,7 +101,7 @@ def served(tmp_path_factory, tiny, small_tokenizer_dir, redis_url):
 
     from compiler_service.compiler import compile_catalog
     from decoder_service.catalogs import CatalogManager
-    from decoder_service.server import SERVICE, DecoderServicer
+    from decoder_service.server import SERVICE, DecoderServicer, Lazy
     from devstack.redis_server import free_port
     from engine_fixtures import make_engine, tiny_backend
     from shared.catalog import registry_from_entries
@@ -120,7 +120,8 @@ def served(tmp_path_factory, tiny, small_tokenizer_dir, redis_url):
     catalogs = CatalogManager(store, engine)
     catalogs.start()
     reader = Reader(tiny, "cpu")
-    servicer = DecoderServicer(engine, catalogs, {"model": "tiny", "backend": "cpu", "device": "cpu"}, reader)
+    servicer = DecoderServicer(engine, catalogs, {"model": "tiny", "backend": "cpu", "device": "cpu"},
+                               Lazy("the reader", lambda: reader))
     addr = f"127.0.0.1:{free_port()}"
     server, _ = make_server(addr, lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE])
     server.start()

@@ -231,7 +231,8 @@ def test_sigterm_with_requests_that_outlive_the_drain_exits_in_time(attempt, tmp
     store.publish("drain", trie_of(ModelTokenizer(small_tokenizer_dir), TOOLS[:40]))
     addr = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "REDIS_URL": redis_url, "TOOLTRIE_NAMESPACE": ns, "TOOLTRIE_MODEL_DIR": str(serving_model),
-           "TOOLTRIE_ENCODER_DIR": "", "TOOLTRIE_BACKEND": "cpu", "TOOLTRIE_DECODER_ADDR": addr,
+           "TOOLTRIE_ENCODER_DIR": "", "TOOLTRIE_READER_DIR": "", "TOOLTRIE_BACKEND": "cpu",
+           "TOOLTRIE_DECODER_ADDR": addr,
            "TOOLTRIE_METRICS_PORT": "0", "TOOLTRIE_DRAIN_SECONDS": str(drain), "TOOLTRIE_MAX_SEQS": "1",
            "TOOLTRIE_KV_TOKENS": "65536"}
     log = (tmp_path / "decoder.log").open("w")
