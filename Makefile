@@ -78,6 +78,18 @@ model: $(patsubst $(ENCODER_DELTAS)/%.safetensors,$(ENCODER_DIR)-%/model.safeten
 $(ENCODER_DIR)-%/model.safetensors: $(ENCODER_DELTAS)/%.safetensors $(ENCODER)
 	$(PY) -m tune.encoder_merge --base $(ENCODER_DIR) --delta $< --out $(ENCODER_DIR)-$*
 
+# The reader (a catalog the selector was not tuned on): the writer's committed adapters (tune/writer_adapters/, made
+# on a GPU by `python -m tune.writer`) merged into the base in $(READER_DIR). `make quality` merges the leave-one-out
+# writers too, where var/writers holds that command's adapters-without-<set> (docs/quality.md, "The reader, served").
+READER_DIR := models/SmolLM2-135M-Instruct-writer
+WRITER_ADAPTERS := tune/writer_adapters/smollm2-135m
+model: $(READER_DIR)/model.safetensors
+$(READER_DIR)/model.safetensors: $(MODEL) $(wildcard $(WRITER_ADAPTERS)/*)
+	$(PY) -m tune.merge --base $(MODEL_DIR) --adapters $(WRITER_ADAPTERS) --out $(READER_DIR)
+quality: $(patsubst var/writers/adapters-without-%,$(READER_DIR)-without-%/model.safetensors,$(wildcard var/writers/adapters-without-*))
+$(READER_DIR)-without-%/model.safetensors: var/writers/adapters-without-%/adapter_config.json $(MODEL)
+	$(PY) -m tune.merge --base $(MODEL_DIR) --adapters $(<D) --out $(READER_DIR)-without-$*
+
 run: setup model
 	$(PY) -m devstack
 

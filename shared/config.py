@@ -12,7 +12,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 BASE_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct"            # converted from its PyPI wheel
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-tuned"    # the base + tune/adapters (make model)
 DEFAULT_ENCODER_DIR = REPO_ROOT / "models" / "all-MiniLM-L6-v2"
-DEFAULT_READER_DIR = BASE_MODEL_DIR   # the reader: the base, untrained (docs/quality.md, "The generator as a reader")
+DEFAULT_READER_DIR = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-writer"   # the base + tune/writer_adapters
 
 # Environment variable -> (default, meaning). Read by Settings and listed by `tooltrie env`.
 ENV_VARS: dict[str, tuple[str, str]] = {

@@ -10,6 +10,7 @@ from model_fixtures import make_serving_model
 def test_a_short_chaos_run_reports_no_failure_and_each_cause(tmp_path, small_tokenizer_dir, monkeypatch):
     monkeypatch.setenv("TOOLTRIE_BACKEND", "cpu")
     model = make_serving_model(tmp_path / "model", small_tokenizer_dir)
+    monkeypatch.setenv("TOOLTRIE_READER_DIR", str(model))   # the tiny model reads too (the real one: seconds a call)
     p = argparse.ArgumentParser()
     chaos_arguments(p)
     chaos(p.parse_args(["--seconds", "12", "--clients", "4", "--catalogs", "2", "--sigterm-tries", "2",

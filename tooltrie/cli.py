@@ -172,6 +172,9 @@ def cmd_discover(args) -> int:
         if d.stage == "retrieval":
             print(f"   chosen by retrieval in {d.retrieval_ms:.0f} ms (the generator cannot change this answer here; "
                   "--decode runs it anyway)")
+        elif d.stage == "reader":
+            print(f"   chosen by the reader over retrieval's shortlist: retrieval {d.retrieval_ms:.0f} ms, reading "
+                  f"{d.prefill_ms:.0f} ms (--retrieve-only skips it, --decode runs the selector)")
         else:
             print(f"   prompt {d.prompt_tokens} tokens, {d.generated_tokens} generated; retrieval "
                   f"{d.retrieval_ms:.0f} ms, queue {d.queue_ms:.0f} ms, prefill {d.prefill_ms:.0f} ms, "

@@ -53,9 +53,11 @@ RUN python -m grpc_tools.protoc --proto_path=shared/rpc=protos --python_out=. \
 # model volume (see k8s/base/decoder.yaml). Run from /src so the download cache stays behind.
 # The served model is the base with the committed adapters merged (numpy, no torch: docs/quality.md);
 # the retriever's encoder comes from its own pinned wheel; the reader (a catalog the selector was not tuned on) is
-# the base itself.
+# the base with the writer's adapters merged.
 RUN python -m modelkit.gguf_convert --out /opt/tooltrie/base \
  && python -m tune.merge --base /opt/tooltrie/base --adapters tune/adapters/smollm2-135m --out /opt/tooltrie/model \
+ && python -m tune.merge --base /opt/tooltrie/base --adapters tune/writer_adapters/smollm2-135m \
+        --out /opt/tooltrie/reader \
  && python -m modelkit.encoder_fetch --out /opt/tooltrie/encoder
 
 # -------------------------------------------------------------------------- runtime --
@@ -86,7 +88,7 @@ RUN groupadd --system --gid 10001 tooltrie \
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build /opt/tooltrie/model /opt/tooltrie/model
 COPY --from=build /opt/tooltrie/encoder /opt/tooltrie/encoder
-COPY --from=build /opt/tooltrie/base /opt/tooltrie/reader
+COPY --from=build /opt/tooltrie/reader /opt/tooltrie/reader
 COPY k8s/images/healthcheck.py /opt/tooltrie/healthcheck.py
 USER 10001:10001
 WORKDIR /opt/tooltrie
