@@ -32,7 +32,7 @@ def trie_of(tok, tools):
 class DecoderStack:
     def __init__(self, tmp_path, tokenizer_dir, redis_url, settings=None, credentials=None, namespace=None,
                  signing_key="", lease_seconds=60.0, warm_timeout=600.0, encoder=None, tuned_tools=frozenset(),
-                 **engine_config):
+                 reader=None, **engine_config):
         from shared.config import Settings
         self.settings = settings or Settings()
         self.tok = ModelTokenizer(tokenizer_dir)
@@ -44,7 +44,7 @@ class DecoderStack:
         self.catalogs = CatalogManager(self.store, self.engine, lease_seconds=lease_seconds,
                                        warm_timeout=warm_timeout, encoder=encoder)
         self.servicer = DecoderServicer(self.engine, self.catalogs, {"model": "tiny", "backend": "cpu",
-                                                                     "device": "cpu"})
+                                                                     "device": "cpu"}, reader)
         self.addr = f"127.0.0.1:{free_port()}"
         self.server, self.health = make_server(
             self.addr, lambda s: pb_grpc.add_DecoderServiceServicer_to_server(self.servicer, s), [SERVICE],

@@ -106,6 +106,16 @@ def make_serving_model(tmp_path: Path, tokenizer_dir: Path) -> Path:
         shutil.copy(Path(tokenizer_dir) / f, out / f)
     return out
 
+def make_chat_model(tmp_path: Path, vocab: int, seed: int) -> Path:
+    """A tiny random float32 llama with a tokenizer of its own (tokenizer_fixtures) in the model's chat format and
+    2,048 positions: what the writer and the reader read and write with in tests."""
+    from tokenizer_fixtures import make_tokenizer_dir
+    out = make_tiny_model(tmp_path, "llama", "float32", tied=True, seed=seed,
+                          config_overrides={"vocab_size": vocab, "max_position_embeddings": 2048})
+    make_tokenizer_dir(out, vocab_size=vocab)
+    return out
+
+
 def backend_refusals(tmp_path: Path, option: str, values) -> list[str]:
     """The ModelError messages of a CudaBackend (a tiny bf16 llama) built with `option` set to each of
     `values`: what a user asking for a launch setting out of range reads."""

@@ -10,8 +10,7 @@ from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.reference import ReferenceModel
 from decoder_service.model.weights import load_weights
 from decoder_service.reader import Reader, reader_score, reranked
-from model_fixtures import make_tiny_model
-from tokenizer_fixtures import make_tokenizer_dir
+from model_fixtures import make_chat_model
 
 VOCAB = 512
 TOOLS = [("weather", "Weather forecast of a city"), ("flights", "Search flights between two airports"),
@@ -22,10 +21,7 @@ INTENT = "What will the weather be in Paris tomorrow, and then book a flight fro
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    base = make_tiny_model(tmp_path_factory.mktemp("reader"), "llama", "float32", tied=True, seed=2,
-                           config_overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048})
-    make_tokenizer_dir(base, vocab_size=VOCAB)
-    return base
+    return make_chat_model(tmp_path_factory.mktemp("reader"), VOCAB, seed=2)
 
 
 def reference_likelihoods(model_dir, heads, parts) -> np.ndarray:
@@ -93,48 +89,15 @@ def test_the_rerank_takes_the_best_clause_and_keeps_retrieval_order_on_a_tie():
 def served(tmp_path_factory, tiny, small_tokenizer_dir, redis_url):
     """The decoder over real gRPC and a real Redis with the tiny reader, its tiny engine never tuned on the
     catalog (so MODE_AUTO reads where it has a choice)."""
-    import json
-    import time
-    import uuid
-
-    import grpc
-
-    from compiler_service.compiler import compile_catalog
-    from decoder_service.catalogs import CatalogManager
-    from decoder_service.server import SERVICE, DecoderServicer, Lazy
-    from devstack.redis_server import free_port
-    from engine_fixtures import make_engine, tiny_backend
-    from shared.catalog import registry_from_entries
-    from shared.rpc import decoder_pb2_grpc as pb_grpc
-    from shared.serving import make_server
-    from shared.store import CatalogStore
-    from shared.tokenizer import ModelTokenizer
-    from tokenizer_fixtures import catalog_path
-    tok = ModelTokenizer(small_tokenizer_dir)
-    engine = make_engine(tiny_backend(tmp_path_factory.mktemp("engine"), tok.tokenizer.get_vocab_size(), 512), tok,
-                         512, max_waiting=16, fusion_weight_unseen=1000.0)
-    engine.start()
-    store = CatalogStore.from_url(redis_url, namespace=f"t-{uuid.uuid4().hex[:8]}")
-    store.publish("unseen", compile_catalog(registry_from_entries(json.loads(catalog_path("metatool").read_text())
-                                                                  [:20]), tok))
-    catalogs = CatalogManager(store, engine)
-    catalogs.start()
+    from decoder_service.server import Lazy
+    from decoder_stack import TOOLS, DecoderStack, trie_of
     reader = Reader(tiny, "cpu")
-    servicer = DecoderServicer(engine, catalogs, {"model": "tiny", "backend": "cpu", "device": "cpu"},
-                               Lazy("the reader", lambda: reader))
-    addr = f"127.0.0.1:{free_port()}"
-    server, _ = make_server(addr, lambda s: pb_grpc.add_DecoderServiceServicer_to_server(servicer, s), [SERVICE])
-    server.start()
-    deadline = time.monotonic() + 60
-    while not catalogs.ready():
-        assert time.monotonic() < deadline, "the catalog did not load"
-        time.sleep(0.05)
-    channel = grpc.insecure_channel(addr)
-    yield {"stub": pb_grpc.DecoderServiceStub(channel), "engine": engine, "catalogs": catalogs, "reader": reader}
-    channel.close()
-    server.stop(0)
-    catalogs.stop()
-    engine.stop()
+    stack = DecoderStack(tmp_path_factory.mktemp("stack"), small_tokenizer_dir, redis_url, fusion_weight_unseen=1000.0,
+                         reader=Lazy("the reader", lambda: reader))
+    stack.store.publish("unseen", trie_of(stack.tok, TOOLS[:20]))
+    stack.start()
+    yield {"stub": stack.stub(), "engine": stack.engine, "catalogs": stack.catalogs, "reader": reader}
+    stack.close()
 
 
 def ask(stub, **kw):

@@ -8,9 +8,8 @@ pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from decoder_service.retrieval.host import intent_parts
-from model_fixtures import make_tiny_model
+from model_fixtures import make_chat_model
 from shared import dataset
-from tokenizer_fixtures import make_tokenizer_dir
 from tune import lora, model as tmodel
 from tune.writer import Pair, Prompts, clause_for, pairs, train_writer, write
 
@@ -38,10 +37,7 @@ def test_pairs_come_from_the_fit_split_alone_and_at_most_ten_a_tool():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    base = make_tiny_model(tmp_path_factory.mktemp("writer"), "llama", "float32", tied=True, seed=1,
-                           config_overrides={"vocab_size": VOCAB, "max_position_embeddings": 2048})
-    make_tokenizer_dir(base, vocab_size=VOCAB)
-    return base
+    return make_chat_model(tmp_path_factory.mktemp("writer"), VOCAB, seed=1)
 
 
 def test_the_writer_learns_a_request_and_writes_it_back(tiny):
