@@ -194,6 +194,9 @@ class Harness:
             lists[f"tooltrie w={rt.fusion_weight:g} ({label}){suffix}"] = self.decoded(engine, rt, queries,
                                                                                        shortlists)[0]
         reader = self.reader_without(name)
+        if reader is None and self.reader_dir is not None:
+            print(f"{name}: no reader that never saw it beside {self.reader_dir} (`python -m tune.writer --folds "
+                  "both --out var/writers` on a GPU, then `make quality`): no reader row", flush=True)
         if reader is not None:   # what the service answers in MODE_AUTO: the reader over the same shortlists
             lists[f"tooltrie, reader {reader.model_dir.name} ({label}){suffix}"] = [
                 [names[i] for i in reader.read(trie, q.text, s, len(q.tools)).ids] for q, s in zip(queries, shortlists)]
