@@ -255,6 +255,11 @@ class Harness:
             method = sized(f"tooltrie w={rt.fusion_weight:g}", size, sizes)
             lists[method] = answers
             prompt_tokens[method] = round(float(np.mean(tokens)), 1)
+        reader = self.reader_without(name)
+        if reader is not None:   # the catalog with its examples, as a reader that never saw it would answer
+            lists[f"reader {reader.model_dir.name}"] = [
+                [names[i] for i in reader.read(trie, q.text, s.head(max(SHORTLIST, len(q.tools))), len(q.tools)).ids]
+                for q, s in zip(queries, shortlists)]
         rows, counts = rows_of(lists, queries, new)
         out = {"set": name, "split": split, "queries": len(queries), "by_k": dict(sorted(counts.items())),
                "tools": len(names), "tool_vectors_s": round(vectors_s, 2), "shortlists": list(sizes),
