@@ -27,6 +27,7 @@ BETA = 1.0             # the reader's weight against retrieval's: the selection 
 PART_TOKENS = 128      # a part's tokens read (longer ones are cut) ...
 READ_TOKENS = 512      # ... and the parts' tokens read a tool (the clauses past it are not read): a request's work
 BLOCK = 16
+EXAMPLES_SHARE = 0.5   # a version with examples on this share of its tools or more is answered in retrieval's order
 
 
 class Prompts:
@@ -42,6 +43,13 @@ class Prompts:
         """The tokens the writer writes a request for this tool after (then the opener's, if any)."""
         line = tool_line(name, description, DESCRIPTION_CHARS)[2:]
         return self.tok.encode(self.head + line + self.tail + opener)
+
+
+def reads(rt) -> bool:
+    """Whether the reader answers a version (rt: its CatalogRuntime): only where under EXAMPLES_SHARE of its tools have
+    example requests. With examples on most tools, BM25 over them and their vote do better: MetaTool published with
+    its training requests, fused retrieval 0.800, the reader 0.730 (docs/quality.md)."""
+    return rt.examples_share < EXAMPLES_SHARE
 
 
 def trained_sets(model_dir: Path) -> set[str]:

@@ -23,7 +23,7 @@ from decoder_service.confidence import Calibrator
 from decoder_service.engine.fusion import RETRIEVAL_ORDER
 from decoder_service.engine.engine import DecodeEngine, EngineConfig, Expired, QueueFull, RequestError, Stopped
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent
-from decoder_service.reader import Reader
+from decoder_service.reader import Reader, reads
 from shared.catalog import check_catalog_name, shown
 from shared.config import Settings
 from shared.rpc import decoder_pb2 as pb, decoder_pb2_grpc as pb_grpc
@@ -112,7 +112,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
         """Discover's stream: pin a version, retrieve, decode or read where the request's mode says so, stream the
         pointers. MODE_AUTO decodes where the generator's selector can change the answer (below the version's
         RETRIEVAL_ORDER weight); on a catalog it was not tuned on the reader reranks the shortlist where there is
-        one; with no more than k tools to choose from, it answers at retrieval's cost."""
+        one and the catalog's tools mostly lack examples (reader.reads); with no more than k tools to choose from,
+        it answers at retrieval's cost."""
         started = time.monotonic()
         try:
             rt = self.catalogs.acquire(request.catalog, request.version)
@@ -127,7 +128,7 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
                                                  request.shortlist, prompt=decode)
                 choice = request.k < len(shortlist.ids)   # otherwise the generator would choose them all
                 decode = decode and (choice or not auto)
-                if auto and not decode and choice and self.reader is not None:
+                if auto and not decode and choice and self.reader is not None and reads(rt):
                     read = self.reader.get().read(rt.trie, request.intent, shortlist, request.k)
                 if decode:
                     seq = self.engine.submit(rt, request.intent, request.k, request_id=request_id,

@@ -95,14 +95,15 @@ def served(tmp_path_factory, tiny, small_tokenizer_dir, redis_url):
     stack = DecoderStack(tmp_path_factory.mktemp("stack"), small_tokenizer_dir, redis_url, fusion_weight_unseen=1000.0,
                          reader=Lazy("the reader", lambda: reader))
     stack.store.publish("unseen", trie_of(stack.tok, TOOLS[:20]))
+    stack.store.publish("examples", trie_of(stack.tok, [{**t, "examples": [f"use {t['name']}"]} for t in TOOLS[:20]]))
     stack.start()
     yield {"stub": stack.stub(), "engine": stack.engine, "catalogs": stack.catalogs, "reader": reader}
     stack.close()
 
 
-def ask(stub, **kw):
+def ask(stub, catalog="unseen", **kw):
     from shared.rpc import decoder_pb2 as pb
-    events = list(stub.Discover(pb.DiscoverRequest(catalog="unseen", **kw), timeout=60))
+    events = list(stub.Discover(pb.DiscoverRequest(catalog=catalog, **kw), timeout=60))
     return [e.pointer for e in events[1:-1]], events[-1].done
 
 
@@ -123,3 +124,13 @@ def test_an_unseen_catalog_is_answered_by_the_reader_over_retrievals_shortlist(s
     assert [p.name for p in ask(served["stub"], intent=intent, k=2)[0]] == [p.name for p in pointers]
     assert ask(served["stub"], intent=intent, k=2, mode=pb.MODE_RETRIEVE)[1].stage == "retrieval"
     assert ask(served["stub"], intent=intent, k=3, shortlist=3)[1].stage == "retrieval"
+
+
+def test_a_catalog_whose_tools_have_examples_is_answered_in_retrievals_order(served):
+    """Examples on most tools make retrieval stronger than the reader (MetaTool: 0.800 against 0.730)."""
+    from shared.rpc import decoder_pb2 as pb
+    intent = "translate this sentence to french"
+    pointers, done = ask(served["stub"], "examples", intent=intent, k=2)
+    assert done.stage == "retrieval"
+    retrieved, _ = ask(served["stub"], "examples", intent=intent, k=2, mode=pb.MODE_RETRIEVE)
+    assert [p.name for p in pointers] == [p.name for p in retrieved]

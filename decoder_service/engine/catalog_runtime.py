@@ -80,6 +80,12 @@ class CatalogRuntime:
         return int(self.trie.meta["max_pointer_tokens"]) + 1
 
     @cached_property
+    def examples_share(self) -> float:
+        """The share of the version's tools published with example requests (decoder_service.reader.reads)."""
+        examples = self.trie.meta.get("examples") or []
+        return sum(1 for e in examples if e) / max(1, len(self.trie.pointer_names))
+
+    @cached_property
     def max_fanout(self) -> int:
         """The trie's widest node (the device sampler's candidate bound), taken once: the sampler asks
         every step, and the scan over a 4,000-tool trie's nodes costs tens of µs."""
