@@ -38,6 +38,8 @@ COMMANDS = {
     "chaos": ("chaos", "any", "issue 53's chaos run: hot swaps, duplicate ids, forged events, Redis restarts and "
               "SIGTERM under load, outcomes by cause"),
     "slow-catalog": ("chaos", "any", "a small catalog's first answer while a 100,000-tool one loads"),
+    "reader": ("reader", "any", "the reader's time a request on unseen catalogs' shortlists, its bits against the "
+               "CPU backend's"),
     "ptx": ("ptx", "no GPU", "registers, spills and SASS of kernels for sm_90; PTX against another checkout"),
 }
 
