@@ -85,7 +85,8 @@ class Harness:
         self.encoder = load_encoder(encoder_dir, self.kind)
         self.dense_weight, self.vote_weight = dense_weight, vote_weight
         self.tuned_tools = tuned_tools(model_dir)
-        self.encoders = {}   # other encoders and the readers (the leave-one-out rows'), by folder
+        self.encoders = {}   # other encoders (the leave-one-out rows'), by folder
+        self.readers = {}    # the readers of the leave-one-out rows, by folder
 
     def engine(self, weight: float | None) -> DecodeEngine:
         """An engine answering at `weight` whatever the catalog, or (None) at the service's settings: the tuned
@@ -213,9 +214,9 @@ class Harness:
             folder = folder.with_name(f"{folder.name}-without-{name}")
         if not (folder / "model.safetensors").is_file() or name in trained_sets(folder):
             return None
-        if folder not in self.encoders:
-            self.encoders[folder] = Reader(folder, self.kind)
-        return self.encoders[folder]
+        if folder not in self.readers:
+            self.readers[folder] = Reader(folder, self.kind)
+        return self.readers[folder]
 
     def run(self, name: str, split: str, n: int, weights: list[float | None], hold_out: float = 0.0,
             keep_answers: bool = False, sizes: tuple[int, ...] = (SHORTLIST,)) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -129,16 +130,17 @@ class Reader:
     def _group(self, group: list[int], heads, parts, out) -> None:
         tables = np.full((len(group) * (1 + len(parts)), self.max_blocks), -1, np.int32)
         free = 0
-        chunks, logit_rows, targets = [], [], []
+        chunks, logit_rows, targets, rows = [], [], [], 0
         for slot, h in enumerate(group):
             n = len(heads[h])
             tables[slot, :-(-n // BLOCK)] = np.arange(free, free + -(-n // BLOCK))
             free += -(-n // BLOCK)
             chunks.append((slot, heads[h], 0))
-            last = sum(len(heads[g]) for g in group[:slot + 1]) - 1
-            logit_rows += [last] * len(parts)
+            rows += n
+            logit_rows += [rows - 1] * len(parts)   # the head's last row predicts each part's first token
             targets += [p[0] for p in parts]
-        logp = self._run(StepBatch.from_chunks(chunks, tables), logit_rows, targets)
+        heads_step = replace(StepBatch.from_chunks(chunks, tables), logit_rows=np.asarray(logit_rows, np.int32))
+        logp = self._run(heads_step, targets)
         for slot, h in enumerate(group):
             out[:, h] = logp[slot * len(parts):(slot + 1) * len(parts)]
         tokens, slots, positions, logit_rows, targets, owners = [], [], [], [], [], []
@@ -162,15 +164,12 @@ class Reader:
                 owners += [(p, h)] * (len(part) - 1)
         if tokens:
             batch = StepBatch(*(np.asarray(a, np.int32) for a in (tokens, slots, positions, tables, logit_rows)))
-            logp = self._run(batch, None, targets)
+            logp = self._run(batch, targets)
             for (p, h), value in zip(owners, logp):
                 out[p, h] += value
 
-    def _run(self, batch: StepBatch, logit_rows, targets) -> np.ndarray:
+    def _run(self, batch: StepBatch, targets) -> np.ndarray:
         """One forward step and its logit rows' log-probabilities of the targets (float64)."""
-        if logit_rows is not None:
-            batch = StepBatch(batch.tokens, batch.slots, batch.positions, batch.block_tables,
-                              np.asarray(logit_rows, np.int32))
         self.model.forward(batch)
         return self.model.token_logprobs(np.asarray(targets, np.int32)).astype(np.float64)
 
