@@ -18,16 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import device_label
-from compiler_service.compiler import compile_catalog
 from decoder_service.encoder import load_encoder
-from decoder_service.retrieval.config import DENSE_WEIGHT, SHORTLIST, VOTE_WEIGHT
-from decoder_service.retrieval.host import Retriever, bm25_index
-from decoder_service.retrieval.vectors import computed_vectors
+from decoder_service.retrieval.config import SHORTLIST
 from decoder_service.reader import Reader, reranked
 from shared import dataset
-from shared.catalog import parse_registry
 from shared.config import REPO_ROOT, Settings
 from shared.tokenizer import ModelTokenizer
+from tune.reader import unseen
 
 
 def reader_arguments(p) -> None:
@@ -45,10 +42,7 @@ def shortlisted(n: int) -> list[tuple[list[tuple[str, str]], str, np.ndarray, in
     tok, encoder = ModelTokenizer(settings.model_dir), load_encoder(settings.encoder_dir, "cpu")
     out = []
     for name in dataset.SETS:
-        tools = json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))
-        trie = compile_catalog(parse_registry(dataset.published(tools, [])), tok)
-        vectors, _ = computed_vectors(trie, encoder)
-        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder, DENSE_WEIGHT, VOTE_WEIGHT)
+        trie, retriever = unseen(name, tok, encoder)
         names, descriptions = trie.pointer_names, trie.meta["descriptions"]
         for q in dataset.queries(name, "validation")[:n]:
             s = retriever.shortlist(q.text, SHORTLIST)

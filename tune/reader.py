@@ -30,23 +30,29 @@ BETAS = (0.5, 1.0, 2.0)
 SPLITS = ("selection", "validation")
 
 
-def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH) -> None:
-    """Each set's unseen catalog's shortlists, scores and intent parts for every query of SPLITS."""
+def unseen(name: str, tok, encoder):
+    """(trie, retriever): data set `name`'s catalog published without examples, as the service serves it."""
     from compiler_service.compiler import compile_catalog
-    from decoder_service.encoder import load_encoder
     from decoder_service.retrieval.config import DENSE_WEIGHT, VOTE_WEIGHT
-    from decoder_service.retrieval.host import Retriever, bm25_index, intent_parts
+    from decoder_service.retrieval.host import Retriever, bm25_index
     from decoder_service.retrieval.vectors import computed_vectors
     from shared.catalog import parse_registry
+    tools = json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))
+    trie = compile_catalog(parse_registry(dataset.published(tools, [])), tok)
+    trie.meta.update(name=name, version=1)
+    vectors, _ = computed_vectors(trie, encoder)
+    return trie, Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder, DENSE_WEIGHT, VOTE_WEIGHT)
+
+
+def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH) -> None:
+    """Each set's unseen catalog's shortlists, scores and intent parts for every query of SPLITS."""
+    from decoder_service.encoder import load_encoder
+    from decoder_service.retrieval.host import intent_parts
     from shared.tokenizer import ModelTokenizer
     tok, encoder = ModelTokenizer(model_dir), load_encoder(encoder_dir, "cpu")
     result = {}
     for name in dataset.SETS:
-        tools = json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))
-        trie = compile_catalog(parse_registry(dataset.published(tools, [])), tok)
-        trie.meta.update(name=name, version=1)
-        vectors, _ = computed_vectors(trie, encoder)
-        retriever = Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder, DENSE_WEIGHT, VOTE_WEIGHT)
+        trie, retriever = unseen(name, tok, encoder)
         names, rows = trie.pointer_names, []
         for split in SPLITS:
             for q in dataset.queries(name, split):
