@@ -142,8 +142,8 @@ class DecoderServicer(pb_grpc.DecoderServiceServicer):
             log.info("discover %s v%d k=%d", name, version, request.k, extra={"request_id": request_id})
             yield pb.DiscoverEvent(accepted=pb.Accepted(catalog=name, version=version, request_id=request_id))
             rank = {int(p): (r, float(shortlist.scores[r])) for r, p in enumerate(shortlist.ids)}
-            events = (seq if seq is not None else retrieved(rt, read, request.k, read.seconds * 1e3) if read
-                      else retrieved(rt, shortlist, request.k))
+            events = seq if seq is not None else retrieved(rt, read or shortlist, request.k,
+                                                           read.seconds * 1e3 if read else 0.0)
             stage = "generator" if decode else "reader" if read else "retrieval"
             confidence, cut = 1.0, 0   # each pointer's, capped by the one before: a cut is the answer's tail
             for event in events:
