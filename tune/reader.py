@@ -44,8 +44,9 @@ def unseen(name: str, tok, encoder):
     return trie, Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder, DENSE_WEIGHT, VOTE_WEIGHT)
 
 
-def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH) -> None:
-    """Each set's unseen catalog's shortlists, scores and intent parts for every query of SPLITS."""
+def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH, splits=SPLITS) -> None:
+    """Each set's unseen catalog's shortlists, scores and intent parts for every query of `splits` ("train": the
+    fit split, training less selection, for tune.writer's ranking stage)."""
     from decoder_service.encoder import load_encoder
     from decoder_service.retrieval.host import intent_parts
     from shared.tokenizer import ModelTokenizer
@@ -54,8 +55,10 @@ def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH
     for name in dataset.SETS:
         trie, retriever = unseen(name, tok, encoder)
         names, rows = trie.pointer_names, []
-        for split in SPLITS:
+        for split in splits:
             for q in dataset.queries(name, split):
+                if split == "train" and dataset.is_selection(q.text):
+                    continue
                 s = retriever.shortlist(q.text, max(depth, len(q.tools)))
                 rows.append({"split": split, "query": q.text, "gold": list(q.tools), "parts": intent_parts(q.text),
                              "shortlist": [names[i] for i in s.ids], "scores": [float(x) for x in s.scores]})
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--out", type=Path, required=True)
     s.add_argument("--encoder", type=Path, default=DEFAULT_ENCODER_DIR)
     s.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="whose tokenizer compiles the catalogs")
+    s.add_argument("--depth", type=int, default=DEPTH, help="tools a shortlist (the service's: %(default)s)")
+    s.add_argument("--splits", default=",".join(SPLITS), help="train: the fit split, for `tune.writer --negatives`")
     r = sub.add_parser("score", help="train the leave-one-out writers and score the shortlists (a GPU)")
     r.add_argument("--base", type=Path, required=True)
     r.add_argument("--shortlists", type=Path, required=True)
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
                    "train them here)")
     a = p.parse_args(argv)
     if a.command == "shortlists":
-        shortlists(a.out, a.encoder, a.model)
+        shortlists(a.out, a.encoder, a.model, a.depth, a.splits.split(","))
     else:
         score(a.base, a.shortlists, a.out, a.epochs, a.seed, a.writers)
 
