@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import replace
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +28,7 @@ BETA = 1.0             # the reader's weight against retrieval's: the selection 
 PART_TOKENS = 128      # a part's tokens read (longer ones are cut) ...
 READ_TOKENS = 512      # ... and the parts' tokens read a tool (the clauses past it are not read): a request's work
 BLOCK = 16
+HEADS_KEPT = {"cuda": 4096, "cpu": 512}   # KV blocks kept for heads; SmolLM2: 1.4 GiB bf16, 368 MiB float32
 EXAMPLES_SHARE = 0.5   # a version with examples on this share of its tools or more is answered in retrieval's order
 
 
@@ -76,10 +77,35 @@ def reranked(retrieval: np.ndarray, parts, k: int, beta: float = BETA) -> np.nda
     return top_n(z(retrieval) + beta * reader_score(parts), k)
 
 
+class Heads:
+    """The K/V blocks of the heads the reader keeps, by their tokens, least recently read first."""
+
+    def __init__(self, blocks):
+        self.free = list(blocks)
+        self.capacity = len(self.free)
+        self.blocks: OrderedDict[tuple[int, ...], list[int]] = OrderedDict()
+
+    def touch(self, prefix: tuple[int, ...]) -> bool:
+        """Whether the prefix is kept (now the most recently read)."""
+        if prefix in self.blocks:
+            self.blocks.move_to_end(prefix)
+            return True
+        return False
+
+    def take(self, prefix: tuple[int, ...], count: int, needed: set) -> list[int]:
+        """`count` blocks for the prefix, the least recently read heads not `needed` dropped for them."""
+        while len(self.free) < count:
+            old = next(p for p in self.blocks if p not in needed)
+            self.free += self.blocks.pop(old)
+        self.blocks[prefix], self.free = self.free[:count], self.free[count:]
+        return self.blocks[prefix]
+
+
 class Reader:
     """The writer model on a backend of its own, scoring one request's shortlist at a time."""
 
-    def __init__(self, model_dir: Path, backend: str = "auto", step_rows: int | None = None):
+    def __init__(self, model_dir: Path, backend: str = "auto", step_rows: int | None = None,
+                 heads_kept: int | None = None):
         from decoder_service.gpu.device import resolve_backend
         from decoder_service.model.backend import make_backend, weights_dtype
         from decoder_service.model.config import ModelConfig
@@ -93,80 +119,80 @@ class Reader:
         self.logit_rows = self.step_rows // 4 if self.kind == "cuda" else self.step_rows // 2
         self.max_sequence = min(cfg.max_position_embeddings, 1024)
         self.max_blocks = -(-self.max_sequence // BLOCK)
-        # every sequence of a step at once: its rows plus a partial block each
-        spec = KVPoolSpec(num_blocks=self.step_rows // BLOCK + self.logit_rows, block_size=BLOCK)
+        # a step's parts (their rows plus a partial block each), then the heads kept
+        self.step_blocks = self.step_rows // BLOCK + self.logit_rows
+        kept = heads_kept if heads_kept is not None else HEADS_KEPT[self.kind]
+        longest = -(-(self.max_sequence - PART_TOKENS) // BLOCK)   # a head's blocks at most (`tokens`)
+        self.heads = Heads(range(self.step_blocks, self.step_blocks + max(kept, longest)))
+        spec = KVPoolSpec(num_blocks=self.step_blocks + len(self.heads.free), block_size=BLOCK)
         weights = load_weights(self.model_dir, cfg, weights_dtype(self.kind, cfg))
         options = {} if self.kind == "cpu" else {"max_rows": self.step_rows, "max_logit_rows": self.logit_rows,
                                                  "max_table": 2 * self.logit_rows * self.max_blocks}
         self.model = make_backend(cfg, weights, spec, backend=self.kind, **options)
-        self.num_blocks = spec.num_blocks
         self.lock = threading.Lock()
 
     def likelihoods(self, heads: list[list[int]], parts: list[list[int]]) -> np.ndarray:
-        """float64 [parts, heads]: each part's summed token log-probabilities after each head. Tools go in groups
-        that fit a step; for each group one step computes the heads (their last row predicts every part's first
-        token) and a second the parts, each part's rows attending to its head's blocks, the head's last partial
-        block copied in (no head is computed twice, and a row never depends on the others in its step)."""
+        """float64 [parts, heads]: each part's summed token log-probabilities after each head. A head's K/V but its
+        last token's are computed once and kept (least recently read dropped first); each part is read after it
+        from the head's last token on, so that no head is computed twice and a row never depends on the others in
+        its step. Tools go in groups whose parts fit a step."""
         out = np.zeros((len(parts), len(heads)))
-        per_tool = sum(len(p) for p in parts)
+        rows = sum(len(p) for p in parts)
         with self.lock:
             group: list[int] = []
             for h in range(len(heads)):
-                grown = group + [h]
-                if group and not self._fits(grown, heads, parts, per_tool):
-                    self._group(group, heads, parts, out)
-                    grown = [h]
-                group = grown
-            self._group(group, heads, parts, out)
+                if group and not self._fits(group + [h], heads, parts, rows):
+                    self._read(group, heads, parts, out)
+                    group = []
+                group.append(h)
+            self._read(group, heads, parts, out)
         return out
 
-    def _fits(self, group: list[int], heads, parts, per_tool: int) -> bool:
-        rows = sum(len(heads[h]) for h in group) + len(group) * per_tool
-        blocks = sum(-(-len(heads[h]) // BLOCK) + sum(-(-(len(heads[h]) % BLOCK + len(p)) // BLOCK) for p in parts)
-                     for h in group)
-        return (rows <= self.step_rows and len(group) * per_tool <= self.logit_rows and blocks <= self.num_blocks
-                and len(group) * len(parts) <= self.logit_rows)
+    def _fits(self, group: list[int], heads, parts, rows: int) -> bool:
+        blocks = sum(-(-((len(heads[h]) - 1) % BLOCK + len(p)) // BLOCK) for h in group for p in parts)
+        kept = sum(-(-(len(heads[h]) - 1) // BLOCK) for h in group)
+        return (len(group) * rows <= min(self.step_rows, self.logit_rows) and blocks <= self.step_blocks
+                and len(group) * len(parts) <= 2 * self.logit_rows and kept <= self.heads.capacity)
 
-    def _group(self, group: list[int], heads, parts, out) -> None:
-        tables = np.full((len(group) * (1 + len(parts)), self.max_blocks), -1, np.int32)
-        free = 0
-        chunks, logit_rows, targets, rows = [], [], [], 0
-        for slot, h in enumerate(group):
-            n = len(heads[h])
-            tables[slot, :-(-n // BLOCK)] = np.arange(free, free + -(-n // BLOCK))
-            free += -(-n // BLOCK)
-            chunks.append((slot, heads[h], 0))
-            rows += n
-            logit_rows += [rows - 1] * len(parts)   # the head's last row predicts each part's first token
-            targets += [p[0] for p in parts]
-        heads_step = replace(StepBatch.from_chunks(chunks, tables), logit_rows=np.asarray(logit_rows, np.int32))
-        logp = self._run(heads_step, targets)
-        for slot, h in enumerate(group):
-            out[:, h] = logp[slot * len(parts):(slot + 1) * len(parts)]
-        tokens, slots, positions, logit_rows, targets, owners = [], [], [], [], [], []
-        for slot, h in enumerate(group):
-            n, full = len(heads[h]), len(heads[h]) // BLOCK
+    def _read(self, group: list[int], heads, parts, out) -> None:
+        prefixes = [tuple(heads[h][:-1]) for h in group]
+        self._keep(prefixes)
+        tables = np.full((len(group) * len(parts), self.max_blocks), -1, np.int32)
+        tokens, slots, positions, targets, owners, free = [], [], [], [], [], 0
+        for g, (h, prefix) in enumerate(zip(group, prefixes)):
+            kept, n = self.heads.blocks[prefix], len(prefix)
+            full = n // BLOCK
             for p, part in enumerate(parts):
-                if len(part) < 2:
-                    continue
-                row = len(group) + slot * len(parts) + p
-                own = -(-(n + len(part) - 1) // BLOCK) - full
-                tables[row, :full] = tables[slot, :full]
+                row = g * len(parts) + p
+                own = -(-(n % BLOCK + len(part)) // BLOCK)
+                tables[row, :full] = kept[:full]
                 tables[row, full:full + own] = np.arange(free, free + own)
                 if n % BLOCK:
-                    self.model.copy_kv(int(tables[slot, full]), free, n % BLOCK)
+                    self.model.copy_kv(kept[full], free, n % BLOCK)
                 free += own
-                logit_rows += range(len(tokens), len(tokens) + len(part) - 1)
-                tokens += part[:-1]
-                slots += [row] * (len(part) - 1)
-                positions += range(n, n + len(part) - 1)
-                targets += part[1:]
-                owners += [(p, h)] * (len(part) - 1)
-        if tokens:
-            batch = StepBatch(*(np.asarray(a, np.int32) for a in (tokens, slots, positions, tables, logit_rows)))
-            logp = self._run(batch, targets)
-            for (p, h), value in zip(owners, logp):
-                out[p, h] += value
+                tokens += [heads[h][-1]] + part[:-1]
+                slots += [row] * len(part)
+                positions += range(n, n + len(part))
+                targets += part
+                owners += [(p, h)] * len(part)
+        batch = StepBatch(*(np.asarray(a, np.int32) for a in (tokens, slots, positions, tables, range(len(tokens)))))
+        for (p, h), value in zip(owners, self._run(batch, targets)):
+            out[p, h] += value
+
+    def _keep(self, prefixes: list[tuple[int, ...]]) -> None:
+        """Compute the K/V of the prefixes not kept yet into blocks of their own, in steps of at most step_rows."""
+        missing = list(dict.fromkeys(p for p in prefixes if not self.heads.touch(p)))
+        while missing:
+            chunks, rows = [], 0
+            while missing and (not chunks or rows + len(missing[0]) <= self.step_rows):
+                prefix = missing.pop(0)
+                chunks.append((len(chunks), prefix, 0))
+                rows += len(prefix)
+            tables = np.full((len(chunks), self.max_blocks), -1, np.int32)
+            for slot, prefix, _ in chunks:
+                blocks = self.heads.take(prefix, -(-len(prefix) // BLOCK), set(prefixes))
+                tables[slot, :len(blocks)] = blocks
+            self.model.forward(StepBatch.from_chunks(chunks, tables))
 
     def _run(self, batch: StepBatch, targets) -> np.ndarray:
         """One forward step and its logit rows' log-probabilities of the targets (float64)."""

@@ -62,6 +62,27 @@ def test_a_tools_score_does_not_depend_on_the_others_or_on_how_steps_are_cut(tin
     assert np.array_equal(whole, cut) and np.array_equal(whole, alone)
 
 
+def test_a_head_is_computed_once_and_kept_until_others_need_its_blocks(tiny):
+    """The heads kept are the least recently read ones' first to go; kept or computed again, the same bits."""
+    tools = [(f"{name}{i}", description) for i in range(3) for name, description in TOOLS]
+    heads, parts = Reader(tiny, "cpu").tokens(tools, INTENT)
+    other = Reader(tiny, "cpu").tokens(tools, "Translate this sentence into German")[1]
+    roomy = Reader(tiny, "cpu")
+    first = roomy.likelihoods(heads, parts)
+    computed = []
+    forward = roomy.model.forward
+    roomy.model.forward = lambda batch: (computed.append(batch.num_rows), forward(batch))[1]
+    again = roomy.likelihoods(heads, parts)
+    assert np.array_equal(first, again)
+    assert sum(computed) == len(tools) * sum(map(len, parts)), "a second read computes its parts' rows alone"
+    tight = Reader(tiny, "cpu", step_rows=160, heads_kept=0)   # room for the longest head a model reads
+    assert tight.heads.capacity < sum(-(-(len(h) - 1) // 16) for h in heads)
+    for _ in range(2):
+        assert np.array_equal(tight.likelihoods(heads, parts), first)
+        assert np.array_equal(tight.likelihoods(heads, other), roomy.likelihoods(heads, other))
+    assert sum(map(len, tight.heads.blocks.values())) + len(tight.heads.free) == tight.heads.capacity
+
+
 def test_a_long_request_is_read_up_to_the_bound(tiny):
     from decoder_service.reader import PART_TOKENS, READ_TOKENS
     reader = Reader(tiny, "cpu")
