@@ -28,7 +28,7 @@ BETA = 1.0             # the reader's weight against retrieval's: the selection 
 PART_TOKENS = 128      # a part's tokens read (longer ones are cut) ...
 READ_TOKENS = 512      # ... and the parts' tokens read a tool (the clauses past it are not read): a request's work
 BLOCK = 16
-HEADS_KEPT = {"cuda": 4096, "cpu": 512}   # KV blocks kept for heads; SmolLM2: 1.4 GiB bf16, 368 MiB float32
+HEADS_KEPT = {"cuda": 4096, "cpu": 512}   # KV blocks kept for heads; SmolLM2: 1.4 GiB bf16, 360 MiB float32
 EXAMPLES_SHARE = 0.5   # a version with examples on this share of its tools or more is answered in retrieval's order
 
 
