@@ -11,7 +11,7 @@ from decoder_service.retrieval.host import intent_parts
 from model_fixtures import make_chat_model
 from shared import dataset
 from tune import lora, model as tmodel
-from tune.writer import NEGATIVES, Pair, Prompts, clause_for, pairs, rank_loss, train_writer, with_negatives, write
+from tune.writer import Pair, Prompts, clause_for, pairs, train_writer, write
 
 VOCAB = 400
 
@@ -50,60 +50,6 @@ def test_the_writer_learns_a_request_and_writes_it_back(tiny):
     written = write(model, prompts, [{"name": "weather", "description": "Weather forecast of a city"}], "cpu",
                     openers=("",))
     assert written == {"weather": ["what is the weather in paris"]}
-
-
-def test_a_pair_ranks_against_its_requests_shortlist_less_its_gold_tools(tmp_path):
-    import json
-    rows = [{"query": "weather and flights", "gold": ["weather", "flights"], "shortlist": ["news", "weather", "flights",
-             "hotels", "stocks", "maps"]}, {"query": "short", "gold": ["news"], "shortlist": ["news", "maps"]}]
-    path = tmp_path / "fit.json"
-    path.write_text(json.dumps({"s": {"descriptions": {n: n.upper() for r in rows for n in r["shortlist"]},
-                                      "rows": rows}}))
-    got = with_negatives([Pair("flights", "", "flights", "weather and flights"), Pair("maps", "", "x", "weather and "
-                          "flights"), Pair("news", "", "short", "short"), Pair("weather", "", "x", "unknown")], path)
-    # the tool must be the request's gold, with NEGATIVES others shortlisted; a request never its own negative
-    assert [p.name for p in got] == ["flights"] and NEGATIVES <= 4
-    assert got[0].negatives == (("news", "NEWS"), ("hotels", "HOTELS"), ("stocks", "STOCKS"), ("maps", "MAPS"))
-
-
-def test_the_ranking_stage_makes_a_request_likelier_after_its_own_tool_than_after_its_neighbours(tiny):
-    from tune.reader import likelihoods
-    from tune.train import fit
-    prompts = Prompts(tiny)
-    tools = {"weather": "Weather forecast of a city", "flights": "Search flights between two cities",
-             "hotels": "Book a hotel room", "news": "Latest headlines", "stocks": "Stock quotes"}
-    request = "what is it like in paris"
-    items = [Pair("weather", tools["weather"], request, request, tuple((n, d) for n, d in tools.items()
-                                                                      if n != "weather"))] * 8
-    model = tmodel.load(tiny, "cpu")
-    lora.add_lora(model, 8, 16.0)
-    row = {"parts": [request], "shortlist": list(tools)}
-    before = likelihoods(model, prompts, [row], tools, "cpu")[0][0]
-    losses = fit(model, items, lambda m, chunk, rng: rank_loss(m, prompts, chunk, rng, "cpu"), epochs=10,
-                 batch_size=8, lr=3e-2, seed=0, device="cpu")
-    after = likelihoods(model, prompts, [row], tools, "cpu")[0][0]
-    assert losses[-1] < losses[0]
-    assert max(before[1:]) > before[0] - 1.0 and min(after[0] - x for x in after[1:]) > 1.0, (before, after)
-
-
-def test_saved_adapters_load_back_and_refuse_another_scale(tiny, tmp_path):
-    import torch
-    model = tmodel.load(tiny, "cpu")
-    lora.add_lora(model, 8, 16.0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.requires_grad:
-                p.add_(0.01)
-    lora.save_adapters(model, tmp_path / "a", 8, 16.0, {})
-    again = tmodel.load(tiny, "cpu")
-    lora.add_lora(again, 8, 16.0)
-    lora.load_adapters(again, tmp_path / "a")
-    assert {n: t.tolist() for n, t in lora.adapter_tensors(again).items()} == {
-        n: t.tolist() for n, t in lora.adapter_tensors(model).items()}
-    other = tmodel.load(tiny, "cpu")
-    lora.add_lora(other, 8, 32.0)
-    with pytest.raises(ValueError, match="alpha"):
-        lora.load_adapters(other, tmp_path / "a")
 
 
 def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_clause(tiny):

@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from tune.merge import CONFIG
@@ -77,21 +77,6 @@ def save_adapters(model: nn.Module, out: Path, rank: int, alpha: float, base: di
     (out / CONFIG).write_text(json.dumps({"rank": rank, "alpha": alpha, "files": [p.name for p in files],
                                           "base": base}, indent=1) + "\n")
     return files
-
-
-def load_adapters(model: nn.Module, folder: Path) -> None:
-    """Set the model's adapters (add_lora's, of the same rank) to those `save_adapters` wrote in `folder`."""
-    config = json.loads((Path(folder) / CONFIG).read_text())
-    saved = {k: v for f in config["files"] for k, v in load_file(str(Path(folder) / f)).items()}
-    mine = {n: m for n, m in model.named_modules() if isinstance(m, LoraLinear)}
-    if set(saved) != {f"{n}.lora_{x}" for n in mine for x in "AB"}:
-        raise ValueError(f"{folder}: its adapters are not this model's")
-    if any(m.scale != config["alpha"] / config["rank"] for m in mine.values()):
-        raise ValueError(f"{folder}: alpha / rank {config['alpha']} / {config['rank']} is not this model's")
-    with torch.no_grad():
-        for n, m in mine.items():
-            m.lora_A.copy_(saved[f"{n}.lora_A"])
-            m.lora_B.copy_(saved[f"{n}.lora_B"])
 
 
 def _natural(name: str) -> tuple:

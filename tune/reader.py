@@ -15,6 +15,7 @@ per set, k and beta.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -27,6 +28,7 @@ from shared import dataset
 
 DEPTH = 12           # the service's shortlist
 BETAS = (0.5, 1.0, 2.0)
+DEPTHS = (12, 16, 20)    # the shorter shortlists a deeper run is also reported at
 SPLITS = ("selection", "validation")
 
 
@@ -44,9 +46,8 @@ def unseen(name: str, tok, encoder):
     return trie, Retriever(bm25_index(trie), len(trie.pointer_names), vectors, encoder, DENSE_WEIGHT, VOTE_WEIGHT)
 
 
-def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH, splits=SPLITS) -> None:
-    """Each set's unseen catalog's shortlists, scores and intent parts for every query of `splits` ("train": the
-    fit split, training less selection, for tune.writer's ranking stage)."""
+def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH) -> None:
+    """Each set's unseen catalog's shortlists, scores and intent parts for every query of SPLITS."""
     from decoder_service.encoder import load_encoder
     from decoder_service.retrieval.host import intent_parts
     from shared.tokenizer import ModelTokenizer
@@ -55,10 +56,8 @@ def shortlists(out: Path, encoder_dir: Path, model_dir: Path, depth: int = DEPTH
     for name in dataset.SETS:
         trie, retriever = unseen(name, tok, encoder)
         names, rows = trie.pointer_names, []
-        for split in splits:
+        for split in SPLITS:
             for q in dataset.queries(name, split):
-                if split == "train" and dataset.is_selection(q.text):
-                    continue
                 s = retriever.shortlist(q.text, max(depth, len(q.tools)))
                 rows.append({"split": split, "query": q.text, "gold": list(q.tools), "parts": intent_parts(q.text),
                              "shortlist": [names[i] for i in s.ids], "scores": [float(x) for x in s.scores]})
@@ -95,22 +94,27 @@ def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: st
     return out
 
 
-def answer(row: dict, parts: list[list[float]], beta: float) -> list[str]:
-    """The row's top k by z(retrieval) + beta * reader score (decoder_service.reader.reranked)."""
-    return [row["shortlist"][i] for i in reranked(np.asarray(row["scores"]), parts, len(row["gold"]), beta)]
+def answer(row: dict, parts: list[list[float]], beta: float, depth: int | None = None) -> list[str]:
+    """The row's top k by z(retrieval) + beta * reader score (decoder_service.reader.reranked), over its first
+    `depth` tools (all where None; never fewer than k)."""
+    n = max(depth or len(row["shortlist"]), len(row["gold"]))
+    return [row["shortlist"][i] for i in reranked(np.asarray(row["scores"][:n]), [p[:n] for p in parts],
+                                                  len(row["gold"]), beta)]
 
 
 def report(data: dict, scored: dict) -> dict:
-    """recall@k per set, split, model, beta and k group ("all", "1", "2", "3", "4+") against the retrieval order."""
+    """recall@k per set, split, model, beta and k group ("all", "1", "2", "3", "4+") against the retrieval order;
+    where the shortlists are deeper than the service's, each of DEPTHS up to theirs too ("... depth=N")."""
     out: dict = {}
     for name, d in data.items():
         for split in SPLITS:
             rows = [(i, r) for i, r in enumerate(d["rows"]) if r["split"] == split]
             methods = {"fused": lambda i, r: r["shortlist"][:len(r["gold"])]}
-            for model in scored[name]:
-                for beta in BETAS:
-                    methods[f"{model} beta={beta:g}"] = (lambda i, r, s=scored[name][model], b=beta:
-                                                         answer(r, s[i], b))
+            deepest = max(len(r["shortlist"]) for _, r in rows)
+            depths = [None] + [n for n in DEPTHS if n < deepest] if deepest > DEPTH else [None]
+            for model, depth, beta in itertools.product(scored[name], depths, BETAS):
+                label = f"{model} beta={beta:g}" + (f" depth={depth}" if depth else "")
+                methods[label] = lambda i, r, s=scored[name][model], b=beta, n=depth: answer(r, s[i], b, n)
             for method, chosen in methods.items():
                 hits, gold = defaultdict(int), defaultdict(int)
                 for i, r in rows:
@@ -172,7 +176,6 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--encoder", type=Path, default=DEFAULT_ENCODER_DIR)
     s.add_argument("--model", type=Path, default=DEFAULT_MODEL_DIR, help="whose tokenizer compiles the catalogs")
     s.add_argument("--depth", type=int, default=DEPTH, help="tools a shortlist (the service's: %(default)s)")
-    s.add_argument("--splits", default=",".join(SPLITS), help="train: the fit split, for `tune.writer --negatives`")
     r = sub.add_parser("score", help="train the leave-one-out writers and score the shortlists (a GPU)")
     r.add_argument("--base", type=Path, required=True)
     r.add_argument("--shortlists", type=Path, required=True)
@@ -183,7 +186,7 @@ def main(argv: list[str] | None = None) -> None:
                    "train them here)")
     a = p.parse_args(argv)
     if a.command == "shortlists":
-        shortlists(a.out, a.encoder, a.model, a.depth, a.splits.split(","))
+        shortlists(a.out, a.encoder, a.model, a.depth)
     else:
         score(a.base, a.shortlists, a.out, a.epochs, a.seed, a.writers)
 

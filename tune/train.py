@@ -51,23 +51,16 @@ def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: in
     """Train the selector; returns each step's loss. Every epoch reshuffles the items, and the shortlist order of a
     `shuffled` share of them (the rest keep retrieval order, as served, so that the selector learns how far to
     trust the rank); one `random.Random(seed)` drives both."""
-    return fit(model, items, answers(lambda it, rng: enc.example(it, rng, shuffled >= 1 or (
-        shuffled > 0 and rng.random() < shuffled)), enc.stop_id, device),
-               epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
+    return fit(model, items, lambda it, rng: enc.example(it, rng, shuffled >= 1 or (shuffled > 0 and
+                                                                                  rng.random() < shuffled)),
+               enc.stop_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
 
 
-def answers(example, pad: int, device: str):
-    """A step's loss for `fit`: the answer tokens' cross-entropy of each item's `example(item, rng)`, (prompt ids,
-    answer ids)."""
-    return lambda model, chunk, rng: answer_loss(model, *batch_tensors([example(it, rng) for it in chunk], pad,
-                                                                        device))
-
-
-def fit(model, items: list, loss_of, *, epochs: int, batch_size: int, lr: float, seed: int, device: str,
+def fit(model, items: list, example, pad: int, *, epochs: int, batch_size: int, lr: float, seed: int, device: str,
         log=print) -> list[float]:
-    """Train the model's trainable parameters on `loss_of(model, a step's items, rng)` (`answers`: the answer
-    tokens' cross-entropy), AdamW, warmup then cosine; returns each step's loss. Every epoch reshuffles the items
-    with the one `random.Random(seed)` that `loss_of` also draws from."""
+    """Train the model's trainable parameters on the answer tokens of `example(item, rng)`'s (prompt ids, answer
+    ids), AdamW, warmup then cosine; returns each step's loss. Every epoch reshuffles the items with the one
+    `random.Random(seed)` that `example` also draws from."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -82,10 +75,12 @@ def fit(model, items: list, loss_of, *, epochs: int, batch_size: int, lr: float,
         order = list(items)
         rng.shuffle(order)
         for s in range(steps_per_epoch):
+            examples = [example(it, rng) for it in order[s * batch_size:(s + 1) * batch_size]]
+            ids, mask, where, targets = batch_tensors(examples, pad, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(len(losses), total, lr)
             with autocast:
-                loss = loss_of(model, order[s * batch_size:(s + 1) * batch_size], rng)
+                loss = answer_loss(model, ids, mask, where, targets)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -11,11 +11,6 @@ one a service reads a user's catalog with (decoder_service/reader.py). Each writ
 (`adapters`, `adapters-without-<set>`); with --write each leave-one-out writer writes its set's requests, greedily
 from a few fixed openers (`written-<set>.json`: {tool name: [requests]}). `card.json` has the recipe, losses and
 timings.
-
-With --negatives (`python -m tune.reader shortlists --splits train`: each fit-split request's shortlist over its
-catalog published without examples) a ranking stage follows (--rank-epochs): the writer learns that a request is
-more likely after its own tool's prompt than after the tools retrieval ranks beside it, which is how the reader
-uses it.
 """
 from __future__ import annotations
 
@@ -24,7 +19,7 @@ import json
 import random
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from decoder_service.reader import INSTRUCTION, Prompts
@@ -34,7 +29,6 @@ from shared import dataset
 OPENERS = ("", "Can you", "I need", "Please")   # each tool's requests start so: diverse and deterministic
 PER_TOOL = 10          # training pairs kept per tool (MetaTool asks for one tool up to 291 times)
 MAX_NEW = 40           # tokens a written request may take
-NEGATIVES = 3          # shortlisted tools a ranking step reads each request after, besides its own
 _WORD = re.compile(r"[a-z0-9]+")
 
 
@@ -44,8 +38,6 @@ class Pair:
     name: str
     description: str
     request: str
-    query: str = ""                                    # the labelled request it comes from
-    negatives: tuple[tuple[str, str], ...] = ()        # (name, description) of tools shortlisted for it, not gold
 
 
 def words(text: str) -> set[str]:
@@ -69,29 +61,16 @@ def pairs(sets: list[str], seed: int = 0) -> list[Pair]:
     for name in sets:
         tools = {t["name"]: t.get("description", "") for t in
                  json.loads(dataset.catalog_path(name).read_text(encoding="utf-8"))}
-        by_tool: dict[str, list[tuple[str, str]]] = {}
+        by_tool: dict[str, list[str]] = {}
         for q in dataset.queries(name, "train"):
             if dataset.is_selection(q.text):
                 continue
             for t in q.tools:
                 request = q.text if len(q.tools) == 1 else clause_for(q.text, t, tools[t])
-                by_tool.setdefault(t, []).append((" ".join(request.split()), q.text))
+                by_tool.setdefault(t, []).append(" ".join(request.split()))
         for t, requests in sorted(by_tool.items()):
             rng.shuffle(requests)
-            out += [Pair(t, tools[t], r, q) for r, q in requests[:PER_TOOL]]
-    return out
-
-
-def with_negatives(items: list[Pair], path: Path) -> list[Pair]:
-    """The pairs whose request has at least NEGATIVES shortlisted tools besides its gold ones in `path` (`python -m
-    tune.reader shortlists --splits train`), with those tools."""
-    rows = {r["query"]: (r, d["descriptions"]) for d in json.loads(Path(path).read_text()).values() for r in d["rows"]}
-    out = []
-    for p in items:
-        row, described = rows.get(p.query, ({"gold": [], "shortlist": []}, {}))
-        negatives = tuple((n, described[n]) for n in row["shortlist"] if n not in row["gold"])
-        if p.name in row["gold"] and len(negatives) >= NEGATIVES:
-            out.append(replace(p, negatives=negatives))
+            out += [Pair(t, tools[t], r) for r in requests[:PER_TOOL]]
     return out
 
 
@@ -103,53 +82,21 @@ def example(prompts: Prompts, p: Pair) -> tuple[list[int], list[int]]:
 def train_writer(model, prompts: Prompts, items: list[Pair], *, epochs: int, batch_size: int, lr: float, seed: int,
                  device: str, log=print) -> list[float]:
     """Train the model's trainable parameters on the pairs (request-token cross-entropy); each step's loss."""
-    from tune.train import answers, fit
-    return fit(model, items, answers(lambda p, rng: example(prompts, p), prompts.stop_id, device), epochs=epochs,
+    from tune.train import fit
+    return fit(model, items, lambda p, rng: example(prompts, p), prompts.stop_id, epochs=epochs,
                batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
 
 
-def rank_loss(model, prompts: Prompts, chunk: list[Pair], rng, device: str):
-    """A ranking step's loss: each request's summed log-probability after its tool's prompt against after NEGATIVES
-    of its shortlisted others (softmax cross-entropy over the sums), plus the mean token cross-entropy after its own
-    tool's, so that the reader still writes."""
-    import torch
-
-    from tune.train import batch_tensors
-    examples = []
-    for p in chunk:
-        target = prompts.tok.encode(p.request)
-        examples += [(prompts.prompt(n, d), target) for n, d in [(p.name, p.description)] +
-                     rng.sample(p.negatives, NEGATIVES)]
-    ids, mask, where, targets = batch_tensors(examples, prompts.stop_id, device)
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state[where]
-    logp = torch.log_softmax(model.lm_head(hidden).float(), -1).gather(1, targets[:, None])[:, 0]
-    sums = torch.zeros(len(examples), device=device).index_add(0, where[0], logp).view(len(chunk), 1 + NEGATIVES)
-    own = (where[0] % (1 + NEGATIVES)) == 0
-    return (torch.nn.functional.cross_entropy(sums, torch.zeros(len(chunk), dtype=torch.long, device=device))
-            - logp[own].mean())
-
-
 def trained_writer(base: Path, prompts: Prompts, sets: list[str], device: str, *, rank: int = 16, alpha: float = 32.0,
-                   epochs: int = 2, batch_size: int = 32, lr: float = 5e-4, seed: int = 0,
-                   negatives: Path | None = None, rank_epochs: int = 1, rank_lr: float = 2e-4, init: Path | None = None,
-                   log=print):
-    """(model, losses, pairs): the base with LoRA adapters trained on the pairs of `sets` (the writer's recipe;
-    from `init`'s saved adapters instead, where given), then, with `negatives`, ranked on those that have them."""
-    from tune.lora import add_lora, load_adapters
+                   epochs: int = 2, batch_size: int = 32, lr: float = 5e-4, seed: int = 0, log=print):
+    """(model, losses, pairs): the base with LoRA adapters trained on the pairs of `sets` (the writer's recipe)."""
+    from tune.lora import add_lora
     from tune.model import load
-    from tune.train import fit
     model = load(base, device)
     add_lora(model, rank, alpha)
-    items, losses = pairs(sets, seed), []
-    if init:
-        load_adapters(model, init)
-    else:
-        losses = train_writer(model, prompts, items, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
-                              device=device, log=log)
-    if negatives and rank_epochs:
-        items = with_negatives(items, negatives)
-        losses += fit(model, items, lambda m, chunk, rng: rank_loss(m, prompts, chunk, rng, device),
-                      epochs=rank_epochs, batch_size=batch_size, lr=rank_lr, seed=seed, device=device, log=log)
+    items = pairs(sets, seed)
+    losses = train_writer(model, prompts, items, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+                          device=device, log=log)
     return model, losses, items
 
 
@@ -195,12 +142,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="leave-one-out writers (adapters-without-<set>), the writer of all sets (adapters), or both")
     p.add_argument("--write", action="store_true", help="each leave-one-out writer writes requests for its "
                    "left-out set's tools (written-<set>.json, document expansion)")
-    p.add_argument("--negatives", type=Path, help="each fit-split request's shortlist (`python -m tune.reader "
-                   "shortlists --splits train`): rank after writing")
-    p.add_argument("--rank-epochs", type=int, default=1)
-    p.add_argument("--rank-lr", type=float, default=2e-4)
-    p.add_argument("--init", type=Path, help="a folder of this command's adapters to start each fold from instead of "
-                   "training the writer again")
     p.add_argument("--device", default="")
     args = p.parse_args(argv)
     import torch
@@ -213,17 +154,13 @@ def main(argv: list[str] | None = None) -> None:
     folds = ([(s, [x for x in sets if x != s]) for s in sets] if args.folds in ("loo", "both") else [])
     folds += [("all", sets)] if args.folds in ("all", "both") else []
     args.out.mkdir(parents=True, exist_ok=True)
-    recipe = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k not in ("base", "out")}
-    card = {"recipe": recipe,
-            "openers": OPENERS, "per_tool": PER_TOOL, "negatives": NEGATIVES, "instruction": INSTRUCTION, "folds": {}}
+    card = {"recipe": {k: v for k, v in vars(args).items() if k not in ("base", "out")}, "openers": OPENERS,
+            "per_tool": PER_TOOL, "instruction": INSTRUCTION, "folds": {}}
     for held, train_sets in folds:
         started = time.perf_counter()
         model, losses, items = trained_writer(args.base, prompts, train_sets, device, rank=args.rank,
                                               alpha=args.alpha, epochs=args.epochs, batch_size=args.batch_size,
-                                              lr=args.lr, seed=args.seed, negatives=args.negatives,
-                                              rank_epochs=args.rank_epochs, rank_lr=args.rank_lr,
-                                              init=args.init and args.init / ("adapters" if held == "all" else
-                                                                              f"adapters-without-{held}"),
+                                              lr=args.lr, seed=args.seed,
                                               log=lambda m, h=held: print(f"[{h}] {m}", flush=True))
         trained = time.perf_counter() - started
         fold = {"trained_on": train_sets, "pairs": len(items), "loss_first": losses[0], "loss_last": losses[-1],
