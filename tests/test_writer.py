@@ -70,6 +70,7 @@ def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_c
     assert list(reader_score([[0.0, 1.0], [-5.0, -1.0]])) == pytest.approx([-1.0, 1.0])
     assert answer(row, [[-9.0, -1.0]], beta=0.5) == ["weather"]
     assert answer(row, [[-9.0, -1.0]], beta=2.0) == ["flights"]
+    assert answer(row, [[-9.0, -1.0]], beta=2.0, depth=1) == ["weather"], "a shallower shortlist: its first tools"
 
 
 def test_the_served_reader_gives_the_measured_readers_likelihoods(tiny):
