@@ -78,7 +78,7 @@ def reranked(retrieval: np.ndarray, parts, k: int, beta: float = BETA) -> np.nda
 
 
 class Heads:
-    """The K/V blocks of the heads the reader keeps, by their tokens, least recently read first."""
+    """The K/V blocks of the heads the reader keeps, by their tokens, least recently read first (A2)."""
 
     def __init__(self, blocks):
         self.free = list(blocks)
