@@ -3,9 +3,9 @@
 On a catalog the selector was not tuned on, the generator choosing among tool names adds nothing (docs/quality.md);
 read the other way round it does. A model fine-tuned to write the requests a tool answers from its name and
 description (`python -m tune.writer`) gives log P(request | tool), the sum of the request's token log-probabilities
-after its prompt for that tool, for the whole request and each of its clauses. A tool's reader score is its best
-clause's, each clause's log-likelihoods standardised over the shortlist; the answer is the top k of
-z(retrieval) + beta * reader score (beta chosen on the selection split).
+after its prompt for that tool, for the whole request and each of its clauses. A tool's reader score weighs the
+request's and its best clause's, each part's log-likelihoods standardised over the shortlist; the answer is the top
+k of z(retrieval) + reader score (the weights chosen on the selection split).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from shared.tokenizer import ModelTokenizer
 
 INSTRUCTION = "Write a request a user could send that this tool answers.\nTool: "
 DESCRIPTION_CHARS = 300
-BETA = 1.0             # the reader's weight against retrieval's: the selection split's best over the three sets
+WEIGHTS = (1.0, 2.0)   # the request's and its best clause's weights against retrieval's (the selection split's best)
 PART_TOKENS = 128      # a part's tokens read (longer ones are cut) ...
 READ_TOKENS = 512      # ... and the parts' tokens read a tool (the clauses past it are not read): a request's work
 BLOCK = 16
@@ -66,15 +66,17 @@ def z(x) -> np.ndarray:
     return standardised(x, np.ones(len(x), bool))
 
 
-def reader_score(parts) -> np.ndarray:
-    """A tool's reader score: its best clause's log-likelihood, each clause standardised over the shortlist (a
-    request for several tools names each in a clause, and clauses differ in length)."""
-    return np.max([z(p) for p in parts], axis=0)
+def reader_score(parts, weights: tuple[float, float] = WEIGHTS) -> np.ndarray:
+    """A tool's reader score: the request's log-likelihood and its best clause's (the request's where it has no
+    clauses), weighted, each part's standardised over the shortlist (a request for several tools names each in a
+    clause, and parts differ in length)."""
+    zs = [z(p) for p in parts]
+    return weights[0] * zs[0] + weights[1] * np.max(zs[1:] or zs, axis=0)
 
 
-def reranked(retrieval: np.ndarray, parts, k: int, beta: float = BETA) -> np.ndarray:
-    """Shortlist positions of the top k by z(retrieval) + beta * reader score; the earlier position on a tie."""
-    return top_n(z(retrieval) + beta * reader_score(parts), k)
+def reranked(retrieval: np.ndarray, parts, k: int, weights: tuple[float, float] = WEIGHTS) -> np.ndarray:
+    """Shortlist positions of the top k by z(retrieval) + reader score; the earlier position on a tie."""
+    return top_n(z(retrieval) + reader_score(parts, weights), k)
 
 
 class Heads:

@@ -94,13 +94,16 @@ def test_a_long_request_is_read_up_to_the_bound(tiny):
     assert reader.likelihoods(heads, parts).shape == (len(parts), len(TOOLS))
 
 
-def test_the_rerank_takes_the_best_clause_and_keeps_retrieval_order_on_a_tie():
-    # two tools, each favoured by one clause: both stand level on the reader, so retrieval's order decides
-    assert list(reader_score([[0.0, 1.0], [1.0, 0.0]])) == [1.0, 1.0]
-    assert list(reranked(np.array([1.0, 0.0]), [[0.0, 1.0], [1.0, 0.0]], 1)) == [0]
-    # a clause that favours the second tool strongly enough outweighs retrieval's order, by beta
-    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1, beta=0.5)) == [0]
-    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1, beta=2.0)) == [1]
+def test_the_rerank_weighs_the_request_and_its_best_clause_and_keeps_retrieval_order_on_a_tie():
+    # two tools, each favoured by one clause: the request as a whole decides between them ...
+    assert list(reader_score([[1.0, 0.0], [0.0, 1.0], [1.0, 0.0]])) == [3.0, 1.0]
+    # ... and where it favours neither, they stand level on the reader, so retrieval's order decides
+    assert list(reader_score([[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]])) == [2.0, 2.0]
+    assert list(reranked(np.array([1.0, 0.0]), [[0.0, 0.0], [0.0, 1.0], [1.0, 0.0]], 1)) == [0]
+    # a request without clauses is its own best clause; read strongly enough, it outweighs retrieval's order
+    assert list(reader_score([[-9.0, -1.0]])) == [-3.0, 3.0]
+    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1)) == [1]
+    assert list(reranked(np.array([1.0, 0.0]), [[-9.0, -1.0]], 1, weights=(0.1, 0.1))) == [0]
     # k distinct positions, best first
     order = reranked(np.array([3.0, 2.0, 1.0, 0.0]), [[0.0, 0.0, 5.0, 0.0]], 3)
     assert sorted(set(order.tolist())) == sorted(order.tolist()) and order[0] == 2

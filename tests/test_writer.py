@@ -52,7 +52,7 @@ def test_the_writer_learns_a_request_and_writes_it_back(tiny):
     assert written == {"weather": ["what is the weather in paris"]}
 
 
-def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_clause(tiny):
+def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_it(tiny):
     import torch
 
     from decoder_service.reader import reader_score
@@ -66,11 +66,11 @@ def test_the_reader_scores_the_request_after_each_tool_and_reranks_by_its_best_c
         logp = torch.log_softmax(model(torch.tensor([head + request])).logits[0].float(), -1)
     expected = sum(float(logp[len(head) - 1 + j, t]) for j, t in enumerate(request))
     assert got[0][0][1] == pytest.approx(expected, abs=2e-3)
-    # the second tool wins where a clause favours it enough to outweigh retrieval's order
-    assert list(reader_score([[0.0, 1.0], [-5.0, -1.0]])) == pytest.approx([-1.0, 1.0])
-    assert answer(row, [[-9.0, -1.0]], beta=0.5) == ["weather"]
-    assert answer(row, [[-9.0, -1.0]], beta=2.0) == ["flights"]
-    assert answer(row, [[-9.0, -1.0]], beta=2.0, depth=1) == ["weather"], "a shallower shortlist: its first tools"
+    # the second tool wins where the reading favours it enough to outweigh retrieval's order
+    assert list(reader_score([[0.0, 1.0], [-5.0, -1.0]], (0.0, 1.0))) == pytest.approx([-1.0, 1.0])
+    assert answer(row, [[-9.0, -1.0]], (0.2, 0.2)) == ["weather"]
+    assert answer(row, [[-9.0, -1.0]], (1.0, 2.0)) == ["flights"]
+    assert answer(row, [[-9.0, -1.0]], (1.0, 2.0), depth=1) == ["weather"], "a shallower shortlist: its first tools"
 
 
 def test_the_served_reader_gives_the_measured_readers_likelihoods(tiny):

@@ -6,11 +6,12 @@
 Query likelihood for a catalog nobody has labelled: each shortlisted tool is scored by log P(request | tool), the
 sum of the request's token log-probabilities after the writer's prompt for that tool (tune/writer.py), for the
 whole request and each of its clauses. The writer is trained leave one data set out, so the set it reads is one it
-never saw; the base generator is scored beside it. A tool's reader score is its best clause's, each clause's
-scores standardised over the shortlist; the answer is the top k of z(retrieval) + beta * reader. `shortlists`
+never saw; the base generator is scored beside it. A tool's reader score weighs the request's and its best
+clause's scores, each part's standardised over the shortlist; the answer is the top k of z(retrieval) + reader
+score, for each of WEIGHTS (decoder_service.reader.reranked). `shortlists`
 writes each unseen catalog's retrieval (published without examples, the base encoder, as `make quality`'s unseen
 rows) for the selection and validation splits; `score` writes `scores.json` and `report.json` and prints recall@k
-per set, k and beta.
+per set, k and weights.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from decoder_service.reader import Prompts, reranked
 from shared import dataset
 
 DEPTH = 12           # the service's shortlist
-BETAS = (0.5, 1.0, 2.0)
+WEIGHTS = [(0.0, 1.0), (0.5, 1.0), (1.0, 1.0), (0.5, 2.0), (1.0, 2.0), (1.0, 3.0), (1.5, 3.0)]   # (request, clause)
 DEPTHS = (12, 16, 20)    # the shorter shortlists a deeper run is also reported at
 SPLITS = ("selection", "validation")
 
@@ -94,16 +95,16 @@ def likelihoods(model, prompts, rows: list[dict], descriptions: dict, device: st
     return out
 
 
-def answer(row: dict, parts: list[list[float]], beta: float, depth: int | None = None) -> list[str]:
-    """The row's top k by z(retrieval) + beta * reader score (decoder_service.reader.reranked), over its first
-    `depth` tools (all where None; never fewer than k)."""
+def answer(row: dict, parts: list[list[float]], weights: tuple[float, float], depth: int | None = None) -> list[str]:
+    """The row's top k by z(retrieval) + reader score with these weights (decoder_service.reader.reranked), over its
+    first `depth` tools (all where None; never fewer than k)."""
     n = max(depth or len(row["shortlist"]), len(row["gold"]))
     return [row["shortlist"][i] for i in reranked(np.asarray(row["scores"][:n]), [p[:n] for p in parts],
-                                                  len(row["gold"]), beta)]
+                                                  len(row["gold"]), weights)]
 
 
 def report(data: dict, scored: dict) -> dict:
-    """recall@k per set, split, model, beta and k group ("all", "1", "2", "3", "4+") against the retrieval order;
+    """recall@k per set, split, model, weights and k group ("all", "1", "2", "3", "4+") against the retrieval order;
     where the shortlists are deeper than the service's, each of DEPTHS up to theirs too ("... depth=N")."""
     out: dict = {}
     for name, d in data.items():
@@ -112,9 +113,9 @@ def report(data: dict, scored: dict) -> dict:
             methods = {"fused": lambda i, r: r["shortlist"][:len(r["gold"])]}
             deepest = max(len(r["shortlist"]) for _, r in rows)
             depths = [None] + [n for n in DEPTHS if n < deepest] if deepest > DEPTH else [None]
-            for model, depth, beta in itertools.product(scored[name], depths, BETAS):
-                label = f"{model} beta={beta:g}" + (f" depth={depth}" if depth else "")
-                methods[label] = lambda i, r, s=scored[name][model], b=beta, n=depth: answer(r, s[i], b, n)
+            for model, depth, w in itertools.product(scored[name], depths, WEIGHTS):
+                label = f"{model} request={w[0]:g} clause={w[1]:g}" + (f" depth={depth}" if depth else "")
+                methods[label] = lambda i, r, s=scored[name][model], w=w, n=depth: answer(r, s[i], w, n)
             for method, chosen in methods.items():
                 hits, gold = defaultdict(int), defaultdict(int)
                 for i, r in rows:
