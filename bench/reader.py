@@ -8,7 +8,8 @@ request's likelihoods (decoder_service.reader) are timed after --warm untimed on
 kept, as a service keeps them), then again with all its heads kept (the same bits), and each tool's alone (the same
 bits as in its shortlist, for the first request). Where the backend is not the CPU,
 the first --check requests are read on the CPU backend too: the largest relative difference, and whether the
-reranked answers are the same. Writes bench/results/reader_served_<device>.json and prints a table.
+reranked answers are the same; on the CPU, the memory the reader added to the process (resident, after every read).
+Writes bench/results/reader_served_<device>.json and prints a table.
 """
 from __future__ import annotations
 
@@ -51,8 +52,15 @@ def shortlisted(n: int) -> list[tuple[list[tuple[str, str]], str, np.ndarray, in
     return out
 
 
+def resident_bytes() -> int:
+    """This process's resident memory (Linux)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
+
+
 def reader(args) -> None:
     requests = shortlisted(args.requests)
+    before = resident_bytes()
     read = Reader(Path(args.reader), args.backend)
     times, kept, repeat_same = [], [], True
     for i, (tools, intent, _, _) in enumerate(requests):
@@ -72,7 +80,9 @@ def reader(args) -> None:
               "kept_p50_ms": round(1e3 * float(np.median(kept)), 2),
               "kept_p90_ms": round(1e3 * float(np.percentile(kept, 90)), 2), "repeat_same": repeat_same,
               "alone_same": bool(np.array_equal(alone, read.likelihoods(heads, parts)))}
-    if read.kind != "cpu":
+    if read.kind == "cpu":
+        record["resident_gib"] = round((resident_bytes() - before) / 2**30, 2)
+    else:
         cpu, worst, same = Reader(Path(args.reader), "cpu"), 0.0, 0
         for tools, intent, scores, k in requests[:args.check]:
             heads, parts = read.tokens(tools, intent)

@@ -126,7 +126,7 @@ class Reader:
         kept = heads_kept if heads_kept is not None else HEADS_KEPT[self.kind]
         longest = -(-(self.max_sequence - PART_TOKENS) // BLOCK)   # a head's blocks at most (`tokens`)
         self.heads = Heads(range(self.step_blocks, self.step_blocks + max(kept, longest)))
-        spec = KVPoolSpec(num_blocks=self.step_blocks + len(self.heads.free), block_size=BLOCK)
+        spec = KVPoolSpec(num_blocks=self.step_blocks + self.heads.capacity, block_size=BLOCK)
         weights = load_weights(self.model_dir, cfg, weights_dtype(self.kind, cfg))
         options = {} if self.kind == "cpu" else {"max_rows": self.step_rows, "max_logit_rows": self.logit_rows,
                                                  "max_table": 2 * self.logit_rows * self.max_blocks}
@@ -153,7 +153,7 @@ class Reader:
     def _fits(self, group: list[int], heads, parts, rows: int) -> bool:
         blocks = sum(-(-((len(heads[h]) - 1) % BLOCK + len(p)) // BLOCK) for h in group for p in parts)
         kept = sum(-(-(len(heads[h]) - 1) // BLOCK) for h in group)
-        return (len(group) * rows <= min(self.step_rows, self.logit_rows) and blocks <= self.step_blocks
+        return (len(group) * rows <= self.logit_rows and blocks <= self.step_blocks
                 and len(group) * len(parts) <= 2 * self.logit_rows and kept <= self.heads.capacity)
 
     def _read(self, group: list[int], heads, parts, out) -> None:
@@ -183,7 +183,7 @@ class Reader:
 
     def _keep(self, prefixes: list[tuple[int, ...]]) -> None:
         """Compute the K/V of the prefixes not kept yet into blocks of their own, in steps of at most step_rows."""
-        missing = list(dict.fromkeys(p for p in prefixes if not self.heads.touch(p)))
+        missing, needed = list(dict.fromkeys(p for p in prefixes if not self.heads.touch(p))), set(prefixes)
         while missing:
             chunks, rows = [], 0
             while missing and (not chunks or rows + len(missing[0]) <= self.step_rows):
@@ -192,7 +192,7 @@ class Reader:
                 rows += len(prefix)
             tables = np.full((len(chunks), self.max_blocks), -1, np.int32)
             for slot, prefix, _ in chunks:
-                blocks = self.heads.take(prefix, -(-len(prefix) // BLOCK), set(prefixes))
+                blocks = self.heads.take(prefix, -(-len(prefix) // BLOCK), needed)
                 tables[slot, :len(blocks)] = blocks
             self.model.forward(StepBatch.from_chunks(chunks, tables))
 

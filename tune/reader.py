@@ -112,7 +112,7 @@ def report(data: dict, scored: dict) -> dict:
             rows = [(i, r) for i, r in enumerate(d["rows"]) if r["split"] == split]
             methods = {"fused": lambda i, r: r["shortlist"][:len(r["gold"])]}
             deepest = max(len(r["shortlist"]) for _, r in rows)
-            depths = [None] + [n for n in DEPTHS if n < deepest] if deepest > DEPTH else [None]
+            depths = [None] + [n for n in DEPTHS if n < deepest]
             for model, depth, w in itertools.product(scored[name], depths, WEIGHTS):
                 label = f"{model} request={w[0]:g} clause={w[1]:g}" + (f" depth={depth}" if depth else "")
                 methods[label] = lambda i, r, s=scored[name][model], w=w, n=depth: answer(r, s[i], w, n)
