@@ -148,6 +148,9 @@ class NullBackend:
     def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
         """No pool: nothing to copy."""
 
+    def place_kv(self, src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> None:
+        """No pool: nothing to move."""
+
     def sparse_logits(self, cand: np.ndarray, n: np.ndarray) -> np.ndarray:
         return np.zeros(cand.shape, np.float32)
 

@@ -92,8 +92,9 @@ class Harness:
         """An engine answering at `weight` whatever the catalog, or (None) at the service's settings: the tuned
         weight for a catalog the model was tuned on, the unseen one for another (engine.fusion)."""
         settings = Settings()
-        config = (EngineConfig(fusion_weight=weight) if weight is not None else EngineConfig(
-            fusion_weight=settings.fusion_weight, fusion_weight_unseen=settings.fusion_weight_unseen))
+        config = (EngineConfig(fusion_weight=weight, line_kv=settings.line_kv) if weight is not None else EngineConfig(
+            fusion_weight=settings.fusion_weight, fusion_weight_unseen=settings.fusion_weight_unseen,
+            line_kv=settings.line_kv))
         return DecodeEngine(self.backend, self.tok, self.spec.num_blocks, self.spec.block_size,
                             self.cfg.max_position_embeddings, config, self.tuned_tools)
 
@@ -377,7 +378,7 @@ def quality(args) -> None:
                                         for a in r.pop("answers")))
     out.write_text(json.dumps({"device": device_name(harness.kind), "model": Path(args.model).name,
                                "encoder": harness.encoder.name, "dense_weight": args.dense_weight,
-                               "vote_weight": args.vote_weight,
+                               "vote_weight": args.vote_weight, "line_kv": Settings().line_kv,
                                "shortlist": list(sizes), "weights": ["service" if w is None else w for w in weights],
                                "hold_out_tools": args.hold_out_tools, "results": results, "unseen": unseen,
                                "seconds": round(time.perf_counter() - started)}, indent=1) + "\n")

@@ -245,7 +245,8 @@ def build_engine(settings: Settings):
                           block_size=kv_spec.block_size, max_positions=cfg.max_position_embeddings,
                           config=EngineConfig(max_seqs=max_seqs, max_waiting=settings.max_waiting,
                                               shortlist=settings.shortlist, fusion_weight=settings.fusion_weight,
-                                              fusion_weight_unseen=settings.fusion_weight_unseen),
+                                              fusion_weight_unseen=settings.fusion_weight_unseen,
+                                              line_kv=settings.line_kv),
                           tuned_tools=tuned_tools(settings.model_dir))
     encoder = encoding.result() if encoding else loaded_encoder() if settings.encoder_dir else None
     reader = None

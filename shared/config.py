@@ -29,6 +29,8 @@ ENV_VARS: dict[str, tuple[str, str]] = {
                                "(0: the generator alone; large: retrieval's order; docs/quality.md)"),
     "TOOLTRIE_FUSION_WEIGHT_UNSEEN": ("1000", "decoder: the same for a catalog the model was not tuned on (under "
                                       "half its tools in the model's tuned_tools.json)"),
+    "TOOLTRIE_LINE_KV": ("0", "decoder: 1 computes each tool line's K/V once and copies it into the requests that "
+                         "list it (a line attends to the prefix and itself only): for a selector trained so"),
     "TOOLTRIE_COMPILER_ADDR": ("127.0.0.1:50051", "host:port the compiler service listens on"),
     "TOOLTRIE_DECODER_ADDR": ("127.0.0.1:50052", "host:port the decoder service listens on"),
     "TOOLTRIE_METRICS_PORT": ("9464", "HTTP port for Prometheus metrics (0 disables)"),
@@ -96,6 +98,7 @@ class Settings:
     shortlist: int = field(default_factory=lambda: int(_env("TOOLTRIE_SHORTLIST")))
     fusion_weight: float = field(default_factory=lambda: float(_env("TOOLTRIE_FUSION_WEIGHT")))
     fusion_weight_unseen: float = field(default_factory=lambda: float(_env("TOOLTRIE_FUSION_WEIGHT_UNSEEN")))
+    line_kv: bool = field(default_factory=lambda: _env("TOOLTRIE_LINE_KV") == "1")
     compiler_addr: str = field(default_factory=lambda: _env("TOOLTRIE_COMPILER_ADDR"))
     decoder_addr: str = field(default_factory=lambda: _env("TOOLTRIE_DECODER_ADDR"))
     metrics_port: int = field(default_factory=lambda: int(_env("TOOLTRIE_METRICS_PORT")))

@@ -90,6 +90,9 @@ class CpuModelDeviceHead:
     def copy_kv(self, src_block, dst_block, count):
         self.cpu.copy_kv(src_block, dst_block, count)
 
+    def place_kv(self, src, dst, shift):
+        self.cpu.place_kv(src, dst, shift)
+
     def launch_sparse(self, n: int) -> None:
         import numpy as np
         c = self.max_candidates

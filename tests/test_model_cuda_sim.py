@@ -14,12 +14,12 @@ the one-row QKV GEMV; gated on done flags, its forward is skipped where all are 
 bits where one is clear) and inside a mixed batch (launched one kernel at a time; RoPE in k_rope_kv), and
 a prompt's last row is bit-identical whether the prompt is prefilled in one chunk or in two (other
 attention row tiles), and after a prefix's tail copied into another block (copy_kv) or in place; the
-KV pool holds the reference's K/V. Prompt rows from position 4 on attend in row tiles (k_attn_mma for
-the bf16 models, k_attn_tiles for the others), decode rows and earlier prompt rows one at a time
-(k_attn_rows); tiles split every 8 positions under the simulator, so contexts past 8 merge splits. In
-the bf16 models prompt rows run their matrices in k_gemm, decode rows in the GEMVs; steps of 8 prompt rows or
-more take its big tiles, so the two-chunk prompt above also checks that big and small tiles give a row the
-same bits.
+KV pool holds the reference's K/V, and K/V moved with keys rotated (place_kv) the reference's. Prompt rows
+from position 4 on attend in row tiles (k_attn_mma for the bf16 models, k_attn_tiles for the others), decode
+rows and earlier prompt rows one at a time (k_attn_rows); tiles split every 8 positions under the simulator,
+so contexts past 8 merge splits. In the bf16 models prompt rows run their matrices in k_gemm, decode rows in
+the GEMVs; steps of 8 prompt rows or more take its big tiles, so the two-chunk prompt above also checks that
+big and small tiles give a row the same bits.
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ def _assert_case(res: dict, name: str) -> None:
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
     assert r["tail_copy"], "prompt rows after a copied prefix tail (copy_kv) differ from the prefix in place"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
+    assert r["place_ok"], f"K/V moved by place_kv differs from the reference's: {r['place_rel']}"
 
 
 @pytest.mark.parametrize("name", [c[0] for c in CASES])
@@ -227,6 +228,18 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     be.copy_kv(13, 19, 2)
     be.forward(StepBatch.from_chunks([(1, more, 6)], tail_bt))
     tail_copy = bool(np.array_equal(be.dense_logits(), in_place))
+    # K/V moved (place_kv): slot 1's positions 0-5 into blocks 23 and 20, keys rotated 9 positions further, as the
+    # reference moves them; V unchanged, bit for bit
+    src = np.array([20, 21, 22, 23, 52, 53], np.int32)
+    dst = np.array([92, 93, 94, 95, 80, 81], np.int32)
+    be.place_kv(src, dst, np.full(6, 9, np.int32))
+    ref.place_kv(src, dst, np.full(6, 9, np.int32))
+    k, v = be.kv_cache()
+    flat_k, flat_v = (to_float32(np.ascontiguousarray(a.reshape(cfg.num_layers, -1, a.shape[-2], a.shape[-1])), w.dtype)
+                      for a in (k, v))
+    ref_k = ref.pool.k.reshape(cfg.num_layers, -1, *ref.pool.k.shape[3:])
+    place_rel = float(np.linalg.norm(flat_k[:, dst] - ref_k[:, dst]) / np.linalg.norm(ref_k[:, dst]))
+    place_ok = place_rel < tol and bool(np.array_equal(flat_v[:, dst], flat_v[:, src]))
     if (arch, dtype) == ("llama", "float32"):   # a 41-token context: 6 splits to merge
         long_bt = np.arange(12, dtype=np.int32)[None]
         long = rng.integers(3, cfg.vocab_size, 41).tolist()
@@ -234,7 +247,7 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
     return dict(checks=checks, deterministic=deterministic, fused_rope=be.fused_rope, graphs=graphs,
                 gate_skips=gate_skips, gate_runs=gate_runs,
-                chunk_invariant=chunk_invariant, tail_copy=tail_copy,
+                chunk_invariant=chunk_invariant, tail_copy=tail_copy, place_rel=place_rel, place_ok=place_ok,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 

@@ -114,6 +114,27 @@ def test_training_lowers_the_loss_and_the_merged_model_matches_in_the_runtime(se
     assert len(answer) == len(it.gold) == len(set(answer)) and set(answer) <= set(it.shortlist)
 
 
+def test_training_with_line_kv_lowers_the_loss_and_decodes_k_names(setup):
+    """`--line-kv` trains on prompts computed as the service computes them with TOOLTRIE_LINE_KV (tune.lines; that they
+    are is tests/test_lines.py's), and decodes so."""
+    tmp, base, source = setup
+    enc = Encoder(base)
+    cat = enc.catalog(source)
+    train_q, _, valid_q = split(cat, read_queries(source.queries))
+    retriever = Shortlister(enc.tok)
+    train_items = training_items(cat, train_q, 6, 1, retriever, random.Random(1))
+    torch.manual_seed(0)
+    net = tmodel.load(base, "cpu")
+    lora.add_lora(net, rank=4, alpha=8.0)
+    losses = train(net, enc, train_items, epochs=6, batch_size=8, lr=2e-2, seed=0, device="cpu", shuffled=0.5,
+                   line_kv=True, log=lambda m: None)
+    assert np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3]), losses
+    net.eval()
+    batch = items(cat, valid_q or train_q, 6, retriever)[:4]
+    for it, answer in zip(batch, decode(net, enc, batch, "cpu", line_kv=True)):
+        assert len(answer) == len(it.gold) == len(set(answer)) and set(answer) <= set(it.shortlist)
+
+
 def test_merge_refuses_adapters_trained_on_another_base(setup):
     tmp, base, _ = setup
     net = tmodel.load(base, "cpu")

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None):
                    "shuffled each epoch; the rest list it in retrieval order, as served")
     p.add_argument("--evaluate-only", action="store_true", help="evaluate --base on the selection and validation "
                    "splits, train nothing")
+    p.add_argument("--line-kv", action="store_true", help="train and evaluate with each tool line attending to the "
+                   "prefix and itself only, as the service computes prompts with TOOLTRIE_LINE_KV=1 (tune/lines.py)")
     p.add_argument("--full", action="store_true", help="full fine-tune instead of LoRA (no adapters written)")
     p.add_argument("--rank", type=int, default=32)
     p.add_argument("--alpha", type=float, default=64.0)
@@ -123,16 +125,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     net = tmodel.load(args.base, device)
     if args.evaluate_only:
-        print(json.dumps({"selection": evaluate(net, enc, select_items, device),
-                          "validation": evaluate(net, enc, valid_items, device)}, indent=1), flush=True)
+        print(json.dumps({"selection": evaluate(net, enc, select_items, device, line_kv=args.line_kv),
+                          "validation": evaluate(net, enc, valid_items, device, line_kv=args.line_kv)}, indent=1),
+              flush=True)
         return
     if not args.full:
         lora.add_lora(net, args.rank, args.alpha)
     started = time.perf_counter()
     losses = train(net, enc, train_items, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
-                   seed=args.seed, device=device, shuffled=args.shuffled, log=lambda m: print(m, flush=True))
+                   seed=args.seed, device=device, shuffled=args.shuffled, line_kv=args.line_kv,
+                   log=lambda m: print(m, flush=True))
     seconds = time.perf_counter() - started
-    selection, validation = evaluate(net, enc, select_items, device), evaluate(net, enc, valid_items, device)
+    selection, validation = (evaluate(net, enc, chosen, device, line_kv=args.line_kv)
+                             for chosen in (select_items, valid_items))
     print(json.dumps({"selection": selection, "validation": validation}, indent=1), flush=True)
 
     args.out.mkdir(parents=True, exist_ok=True)

@@ -89,12 +89,16 @@ class Encoder:
             out += item.catalog.name_ids[g] + [self.sep_id if j + 1 < len(item.gold) else self.stop_id]
         return out
 
-    def example(self, item: Item, rng: random.Random, shuffle: bool = True) -> tuple[list[int], list[int]]:
-        """(prompt ids, answer ids), the shortlist in a fresh random order or (shuffle False) as retrieved."""
+    def order(self, item: Item, rng: random.Random, shuffle: bool = True) -> list[int]:
+        """The shortlist in a fresh random order or (shuffle False) as retrieved."""
         order = list(item.shortlist)
         if shuffle:
             rng.shuffle(order)
-        return self.prompt(item, order), self.answer(item)
+        return order
+
+    def example(self, item: Item, rng: random.Random, shuffle: bool = True) -> tuple[list[int], list[int]]:
+        """(prompt ids, answer ids), the shortlist in `order`'s order."""
+        return self.prompt(item, self.order(item, rng, shuffle)), self.answer(item)
 
 
 def held_out_tools(names: list[str], fraction: float) -> frozenset[int]:

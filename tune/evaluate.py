@@ -5,6 +5,7 @@ from collections import defaultdict
 
 import torch
 
+from tune import lines
 from tune.data import Encoder, Item
 
 
@@ -25,19 +26,23 @@ def allowed(names: list[list[int]], used: set[int], partial: list[int], last: bo
 
 
 @torch.no_grad()
-def decode(model, enc: Encoder, batch: list[Item], device: str) -> list[list[int]]:
-    """Each item's k tool indices, greedily decoded over its shortlist listed in retrieval order."""
-    prompts = [enc.prompt(it, it.shortlist) for it in batch]
-    width = max(map(len, prompts))
+def decode(model, enc: Encoder, batch: list[Item], device: str, line_kv: bool = False) -> list[list[int]]:
+    """Each item's k tool indices, greedily decoded over its shortlist listed in retrieval order (line_kv: its prompt
+    computed as the service does with TOOLTRIE_LINE_KV, tune.lines)."""
     pad = enc.stop_id
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    if line_kv:
+        out, mask, pos = lines.first_step(model, [lines.parts(enc, it, it.shortlist) for it in batch], device)
+    else:
+        prompts = [enc.prompt(it, it.shortlist) for it in batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+        pos = (mask.cumsum(1) - 1).clamp(min=0)
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     cands = [[it.catalog.name_ids[i] for i in it.shortlist] for it in batch]
     chosen: list[list[int]] = [[] for _ in batch]
     partial: list[list[int]] = [[] for _ in batch]
     done = [False] * len(batch)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
     while not all(done):
         logits = out.logits[:, -1].float()
         step = []
@@ -68,15 +73,15 @@ def scores(answer: list[int], gold: list[int]) -> tuple[float, bool]:
     return len(set(answer) & set(gold)) / len(gold), set(answer) == set(gold)
 
 
-def evaluate(model, enc: Encoder, items: list[Item], device: str, batch_size: int = 128) -> dict:
+def evaluate(model, enc: Encoder, items: list[Item], device: str, batch_size: int = 128, line_kv: bool = False) -> dict:
     """Per catalog (and, where tools were held out, per group): the selector's recall@k and exact-set (k >= 2),
-    beside the retriever's top-k and the gold-in-shortlist ceiling, on the same items."""
+    beside the retriever's top-k and the gold-in-shortlist ceiling, on the same items (line_kv: decode's)."""
     model.eval()
     order = sorted(range(len(items)), key=lambda i: len(items[i].query))
     answers: dict[int, list[int]] = {}
     for s in range(0, len(order), batch_size):
         chunk = [items[i] for i in order[s:s + batch_size]]
-        for i, a in zip(order[s:s + batch_size], decode(model, enc, chunk, device)):
+        for i, a in zip(order[s:s + batch_size], decode(model, enc, chunk, device, line_kv)):
             answers[i] = a
     groups: dict[str, list[int]] = defaultdict(list)
     for i, it in enumerate(items):

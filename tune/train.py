@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from tune import lines
 from tune.data import Encoder, Item
 
 
@@ -47,20 +48,28 @@ def lr_at(step: int, total: int, peak: float, warmup: float = 0.05, floor: float
 
 
 def train(model, enc: Encoder, items: list[Item], *, epochs: int, batch_size: int, lr: float, seed: int,
-          device: str, shuffled: float = 0.0, log=print) -> list[float]:
+          device: str, shuffled: float = 0.0, line_kv: bool = False, log=print) -> list[float]:
     """Train the selector; returns each step's loss. Every epoch reshuffles the items, and the shortlist order of a
     `shuffled` share of them (the rest keep retrieval order, as served, so that the selector learns how far to
-    trust the rank); one `random.Random(seed)` drives both."""
-    return fit(model, items, lambda it, rng: enc.example(it, rng, shuffled >= 1 or (shuffled > 0 and
-                                                                                  rng.random() < shuffled)),
-               enc.stop_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed, device=device, log=log)
+    trust the rank); one `random.Random(seed)` drives both. line_kv: its prompts as the service computes them with
+    TOOLTRIE_LINE_KV (tune.lines)."""
+    def example(it, rng):
+        order = enc.order(it, rng, shuffled >= 1 or (shuffled > 0 and rng.random() < shuffled))
+        return (lines.parts(enc, it, order) if line_kv else enc.prompt(it, order)), enc.answer(it)
+
+    def line_loss(model, examples):
+        return lines.answer_loss(model, [p for p, _ in examples], [a for _, a in examples], device)
+
+    return fit(model, items, example, enc.stop_id, epochs=epochs, batch_size=batch_size, lr=lr, seed=seed,
+               device=device, loss=line_loss if line_kv else None, log=log)
 
 
 def fit(model, items: list, example, pad: int, *, epochs: int, batch_size: int, lr: float, seed: int, device: str,
-        log=print) -> list[float]:
+        loss=None, log=print) -> list[float]:
     """Train the model's trainable parameters on the answer tokens of `example(item, rng)`'s (prompt ids, answer
     ids), AdamW, warmup then cosine; returns each step's loss. Every epoch reshuffles the items with the one
-    `random.Random(seed)` that `example` also draws from."""
+    `random.Random(seed)` that `example` also draws from. loss(model, examples): the batch's loss where the
+    examples are not (prompt ids, answer ids)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -76,16 +85,15 @@ def fit(model, items: list, example, pad: int, *, epochs: int, batch_size: int, 
         rng.shuffle(order)
         for s in range(steps_per_epoch):
             examples = [example(it, rng) for it in order[s * batch_size:(s + 1) * batch_size]]
-            ids, mask, where, targets = batch_tensors(examples, pad, device)
             for group in opt.param_groups:
                 group["lr"] = lr_at(len(losses), total, lr)
             with autocast:
-                loss = answer_loss(model, ids, mask, where, targets)
+                value = loss(model, examples) if loss else answer_loss(model, *batch_tensors(examples, pad, device))
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
-            losses.append(float(loss.detach()))
+            losses.append(float(value.detach()))
             if len(losses) % 50 == 0 or len(losses) == total:
                 recent = losses[-50:]
                 log(f"epoch {epoch + 1} step {len(losses)}/{total} loss {sum(recent) / len(recent):.4f} "

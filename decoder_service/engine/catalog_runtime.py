@@ -16,7 +16,7 @@ import numpy as np
 
 from decoder_service.engine.sampler import compile_for
 from decoder_service.retrieval.host import Retriever
-from shared.prompt import PromptTemplate
+from shared.prompt import PromptTemplate, template_ids
 from shared.tokenizer import ModelTokenizer
 from shared.trie import SEP, STOP, Trie, control_edge_legal
 
@@ -157,6 +157,21 @@ class CatalogRuntime:
         flat, at = self.lines
         return self.template.request_ids(self.tokenizer, [flat[at[i]:at[i + 1]].tolist() for i in tools], intent, k,
                                          intent_ids)
+
+    @cached_property
+    def prefix_key(self) -> tuple[int, ...]:
+        return tuple(self.prefix_ids)
+
+    def line_keys(self, tools, k: int) -> tuple[list[tuple], int]:
+        """The kept-line keys of a request's shortlist (`tools`: pointer ids, in prompt order; engine/lines.py): each
+        the prefix and the tool's line with its newline; and the prompt rows they fill (the last line's newline is
+        not the prompt's). ([], 0) where the template does not list the tools right after the prefix."""
+        head, _, _, newline, listed = template_ids(self.template, self.tokenizer, k)
+        if head or not listed or not len(tools):
+            return [], 0
+        flat, at = self.lines
+        keys = [(self.prefix_key, tuple(flat[at[i]:at[i + 1]].tolist()) + newline) for i in tools]
+        return keys, sum(len(key[1]) for key in keys) - len(newline)
 
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""

@@ -20,6 +20,7 @@ import numpy as np
 from decoder_service.engine.block_manager import BlockManager
 from decoder_service.engine.catalog_runtime import CatalogRuntime
 from decoder_service.engine.fusion import catalog_weight, rank_prior
+from decoder_service.engine.lines import Lines
 from decoder_service.engine.sampler import SEP, STOP, HostSampler, Pick, Sampler, forced_edge
 from decoder_service.engine.scheduler import Scheduler
 from decoder_service.engine.sequence import DoneEvent, FailedEvent, PointerEvent, Sequence, State
@@ -78,6 +79,7 @@ class EngineConfig:
     fusion_weight: float = 0.0     # logits a retrieval rank is worth when the sampler picks (docs/quality.md)
     fusion_weight_unseen: float | None = None   # the same for a catalog the selector was not tuned on (None: same)
     admission: bool = True         # refuse a request that would finish after its deadline (expected_seconds)
+    line_kv: bool = False          # compute each tool line's K/V once and copy it into requests (engine/lines.py)
 
 
 @dataclasses.dataclass
@@ -101,8 +103,9 @@ class DecodeEngine:
         self.tuned_tools = tuned_tools    # the tools the selector was tuned on (fusion.catalog_weight)
         self.block_size, self.max_positions = block_size, max_positions
         self.blocks = BlockManager(num_blocks)
+        self.lines = Lines(self.blocks, block_size) if config.line_kv else None
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
-                                   config.max_step_tokens)
+                                   config.max_step_tokens, self.lines)
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -197,14 +200,17 @@ class DecodeEngine:
             raise Expired("the request's deadline passed before it was queued")
         prompt = catalog.prefix_ids + catalog.request_ids(shortlist.ids, intent, k, shortlist.intent_ids)
         order = np.argsort(shortlist.ids, kind="stable")   # the allowlist is sorted; rank order[j] is allow[j]'s
+        keys, rows = catalog.line_keys(shortlist.ids, k) if self.lines else ([], 0)
         seq = Sequence(request_id=request_id or uuid.uuid4().hex, catalog=catalog, prompt_ids=prompt, k=k,
                        allow=np.ascontiguousarray(shortlist.ids[order], np.int32), allow_all=False,
                        prior=rank_prior(order, catalog.fusion_weight),
-                       deadline=time.monotonic() + timeout if timeout is not None else None, on_finish=on_finish)
+                       deadline=time.monotonic() + timeout if timeout is not None else None, on_finish=on_finish,
+                       line_keys=keys, line_rows=rows)
         if seq.max_positions() > self.max_positions:
             raise RequestError(f"prompt ({len(prompt)} tokens) plus the worst-case answer for k={k} "
                                f"exceeds the model's {self.max_positions} positions")
-        if -(-seq.max_positions() // self.block_size) > self.blocks.num_blocks:
+        jobs = sum(self.lines.blocks_for(catalog.tail_tokens, key) for key in keys) if keys else 0
+        if -(-seq.max_positions() // self.block_size) + jobs > self.blocks.num_blocks:
             raise RequestError(f"the request needs more KV blocks than the pool holds ({self.blocks.num_blocks})")
         with self._wake:
             if self._stopped:
@@ -280,6 +286,9 @@ class DecodeEngine:
         self._expire(now)
         for seq in self.scheduler.admit(now):
             self._copy_prefix_tail(seq)
+        for seq in self.scheduler.running:
+            if seq.lines and all(line.ready for line in seq.lines):
+                self._place_lines(seq)
         launched, self._ahead = self._ahead, None
         if launched is not None and all(seq.state == State.FINISHED for seq in launched.sampling):
             launched = None      # its rows all ended at the read before: its picks are never needed
@@ -307,7 +316,7 @@ class DecodeEngine:
                 seq.computed += len(toks)
                 if seq.computed < len(seq.prompt_ids):
                     continue
-                if seq.warmup:
+                if seq.warmup or seq.line:
                     warmups.append(seq)
                     continue
             else:
@@ -367,7 +376,10 @@ class DecodeEngine:
             else:
                 self._advance(seq, pick)
         for seq in launched.warmups:
-            self._finish_warmup(seq)
+            if seq.line:
+                self._finish_line(seq)
+            else:
+                self._finish_warmup(seq)
 
     def _batch(self, chunks) -> StepBatch:
         """The step's rows, with block tables for just the sequences in it (table row i: chunk i's):
@@ -388,6 +400,31 @@ class DecodeEngine:
         if not seq.warmup and rt.tail_tokens:
             self.backend.copy_kv(rt.tail_block, seq.blocks[0], rt.tail_tokens)
             seq.computed += rt.tail_tokens
+
+    def _place_lines(self, seq: Sequence) -> None:
+        """Copy the request's kept lines into its own blocks, each line's keys rotated from its canonical place (right
+        after the prefix) to where the prompt lists it (in stream order, before its prefill goes on)."""
+        rt, bs = seq.catalog, self.block_size
+        start = len(rt.prefix_ids)
+        src, dst, shift, at = [], [], [], start
+        for line in seq.lines:
+            n = min(len(line.tokens), start + seq.line_rows - at)
+            positions = np.arange(at, at + n) - rt.shared_tokens
+            src.append(self.lines.slots(line, rt.tail_tokens, n))
+            dst.append(np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs)
+            shift.append(np.full(n, at - start, np.int32))
+            at += n
+        self.backend.place_kv(*(np.ascontiguousarray(np.concatenate(a), np.int32) for a in (src, dst, shift)))
+        seq.computed = at
+        self.lines.unpin(seq.lines)
+        seq.lines = []
+
+    def _finish_line(self, job: Sequence) -> None:
+        """A line job's step was read: its blocks are now the kept line's."""
+        job.line.blocks, job.blocks = job.blocks, []
+        job.line.ready = True
+        self.scheduler.release(job)
+        job.state = State.FINISHED
 
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog

@@ -1,7 +1,8 @@
 """Continuous batching: admit requests while KV blocks and slots last, then build each step's rows.
 
-Admission reserves a sequence's worst case (prompt + k pointers at the trie's deepest) up front, so
-a sequence never runs out of cache mid-answer. A step's rows are every decoding sequence's next tokens
+Admission reserves a sequence's worst case (prompt + k pointers at the trie's deepest, and the jobs of the
+tool lines it lists that are not kept: engine/lines.py) up front, so a sequence never runs out of cache
+mid-answer. A step's rows are every decoding sequence's next tokens
 first (one, or the run its answer forces), then prefill chunks (at most `chunk_size` tokens each,
 `max_step_tokens` in all), so a long prompt is spread over several steps and never stalls the decoding
 requests.
@@ -13,6 +14,7 @@ from collections import deque
 import numpy as np
 
 from decoder_service.engine.block_manager import BlockManager
+from decoder_service.engine.lines import Line, Lines
 from decoder_service.engine.sequence import Sequence, State
 
 _NO_BLOCKS = np.empty(0, np.int32)
@@ -20,8 +22,9 @@ _NO_BLOCKS = np.empty(0, np.int32)
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, block_size: int, max_seqs: int, chunk_size: int,
-                 max_step_tokens: int):
-        self.blocks, self.block_size = blocks, block_size
+                 max_step_tokens: int, lines: Lines | None = None):
+        self.blocks, self.block_size, self.lines = blocks, block_size, lines
+        self.max_seqs = max_seqs   # chunks a step holds at most (its block tables' rows): line jobs have no slot
         self.free_slots = deque(range(max_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -35,26 +38,44 @@ class Scheduler:
         return -(-seq.max_positions() // self.block_size) - shared
 
     def admit(self, now: float) -> list[Sequence]:
-        """Move waiting requests to running, oldest first, while a slot and their blocks are free."""
+        """Move waiting requests to running, oldest first, while a slot and their blocks are free (kept lines
+        dropped for them where that frees enough); with each, the jobs of its lines not kept yet."""
         admitted = []
         for seq in list(self.waiting):
             if not self.free_slots:
                 break
             if not (seq.warmup or seq.catalog.ready.is_set()):
                 continue  # its catalog's prefix is still warming; later requests may go ahead
-            need = self.own_blocks_needed(seq)
-            if need > self.blocks.num_free:
+            need = own = self.own_blocks_needed(seq)
+            if seq.line_keys:
+                need += sum(self.lines.blocks_for(seq.catalog.tail_tokens, key)
+                            for key in self.lines.missing(seq.line_keys))
+            if need > self.blocks.num_free and not (self.lines and self.lines.make_room(need, seq.line_keys)):
                 break  # oldest first: nobody overtakes a request waiting for blocks
             self.waiting.remove(seq)
             seq.slot = self.free_slots.popleft()
-            seq.blocks = self.blocks.allocate(need)
-            if not seq.warmup:
-                self.blocks.share(seq.catalog.shared_blocks)
-                seq.computed = seq.catalog.shared_tokens
-            seq.state, seq.t_admit = State.PREFILL, now
-            self.running.append(seq)
+            self._start(seq, self.blocks.allocate(own), now)
             admitted.append(seq)
+            if seq.line_keys:
+                seq.lines, new = self.lines.pin(seq.line_keys)
+                admitted += [self._line_job(seq.catalog, line, now) for line in new]
         return admitted
+
+    def _start(self, seq: Sequence, blocks: list[int], now: float) -> None:
+        seq.blocks = blocks
+        if not seq.warmup:
+            self.blocks.share(seq.catalog.shared_blocks)
+            seq.computed = seq.catalog.shared_tokens
+        seq.state, seq.t_admit = State.PREFILL, now
+        self.running.append(seq)
+
+    def _line_job(self, rt, line: Line, now: float) -> Sequence:
+        """The prefill that computes a line after its version's prefix (no slot: it samples nothing)."""
+        job = Sequence(request_id=f"line:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
+                       prompt_ids=rt.prefix_ids + list(line.tokens), k=0, allow=_NO_BLOCKS, allow_all=True, line=line,
+                       on_finish=lambda: self.lines.forget(line))
+        self._start(job, self.blocks.allocate(self.lines.blocks_for(rt.tail_tokens, line.key)), now)
+        return job
 
     def release(self, seq: Sequence) -> None:
         """Give back a finished or cancelled sequence's slot and blocks (its share of the prefix too)."""
@@ -63,8 +84,12 @@ class Scheduler:
             self.blocks.release(seq.blocks)
             if not seq.warmup:
                 self.blocks.release(seq.catalog.shared_blocks)
-            self.free_slots.append(seq.slot)
+            if seq.slot >= 0:
+                self.free_slots.append(seq.slot)
             seq.blocks, seq.slot = [], -1
+            if seq.lines:
+                self.lines.unpin(seq.lines)
+                seq.lines = []
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
@@ -83,7 +108,9 @@ class Scheduler:
                 chunks.append((seq, toks, len(seq.prompt_ids) + seq.fed))
                 budget -= len(toks)
         for seq in self.running:
-            if seq.state == State.PREFILL and budget > 0:
+            if len(chunks) == self.max_seqs:
+                break
+            if seq.state == State.PREFILL and budget > 0 and not seq.lines:   # (its lines are copied in first)
                 n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)
                 chunks.append((seq, seq.prompt_ids[seq.computed:seq.computed + n], seq.computed))
                 budget -= n

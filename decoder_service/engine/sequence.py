@@ -58,11 +58,15 @@ class Sequence:
                                      # times minus its retrieval rank); None: the generator alone
     deadline: float | None = None    # time.monotonic() after which the request fails
     warmup: bool = False             # a catalog prefix warm-up: prefill only, its blocks become shared
+    line_keys: list = field(default_factory=list)   # its shortlist's kept lines (engine/lines.py), in prompt order
+    line_rows: int = 0               # the prompt rows those lines fill (all but the last line's newline)
+    line: object = None              # a line job: prefill only, its blocks become the kept Line's
     on_finish: object = None         # called once the engine has let go of the request (blocks released)
     events: queue.Queue = field(default_factory=queue.Queue)
     state: State = State.WAITING
     slot: int = -1
     blocks: list[int] = field(default_factory=list)       # own blocks (after the shared prefix ones)
+    lines: list = field(default_factory=list)              # pinned lines to copy in before its prefill goes on
     computed: int = 0                # prompt positions whose KV is in the pool
     node: int = 0                    # current trie node
     emitted: np.ndarray = None       # pointer ids emitted so far (k slots)

@@ -234,6 +234,14 @@ class CpuBackend:
     def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
         self.pool.copy_positions(src_block, dst_block, count)
 
+    def place_kv(self, src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> None:
+        def rotate(k, s):
+            k = np.ascontiguousarray(k)
+            rope(k, np.ascontiguousarray(s, np.int32), self.inv_freq)
+            return k
+
+        self.pool.place(src, dst, shift, rotate)
+
     def dense_logits(self) -> np.ndarray:
         out = np.empty((len(self.hidden), self.cfg.vocab_size), np.float32)
         matmul_t(self.hidden, self.w["lm_head"], out)

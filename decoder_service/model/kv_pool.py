@@ -87,3 +87,13 @@ class HostKVPool:
         """K/V of a block's first `count` positions, every layer, into another block's (copy_kv)."""
         self.k[:, dst_block, :count] = self.k[:, src_block, :count]
         self.v[:, dst_block, :count] = self.v[:, src_block, :count]
+
+    def place(self, src: np.ndarray, dst: np.ndarray, shift: np.ndarray, rotate) -> None:
+        """K/V of the pool slots `src` (block * block_size + offset), every layer, into the slots `dst`, each key
+        rotated `shift` positions further (place_kv); rotate(keys [n, n_kv, d], shift) -> the rotated keys, in the
+        backend's precision."""
+        L, heads = self.k.shape[0], self.k.shape[3:]
+        k, v = self.k.reshape(L, -1, *heads), self.v.reshape(L, -1, *heads)
+        for layer in range(L):
+            k[layer, dst] = rotate(k[layer, src], shift)
+            v[layer, dst] = v[layer, src]

@@ -104,6 +104,9 @@ class ReferenceModel:
     def copy_kv(self, src_block: int, dst_block: int, count: int) -> None:
         self.pool.copy_positions(src_block, dst_block, count)
 
+    def place_kv(self, src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> None:
+        self.pool.place(src, dst, shift, lambda k, s: rope(k, s, self.cfg.rope_theta))
+
     def dense_logits(self) -> np.ndarray:
         return self.hidden @ self.w["lm_head"].T
 

@@ -233,6 +233,9 @@ class CudaBackend:
         self._ring_ev = [new_event() for _ in range(2)]
         self._ring_i = 0
         self._cand_host = pin(N * C + N, np.int32)
+        self.moves = cuda.device_array(3 * R, np.int32)   # place_kv's slots from, slots to and shifts
+        self._moves_host, self._moves_ev = pin(3 * R, np.int32), new_event()
+        self.n_moves = Scalar(ctypes.c_int32, 0)
         self._out_host = pin(max(N * V, N * C), np.float32)
         self.table_stride = Scalar(ctypes.c_int32, 1)
         self.n_rows = Scalar(ctypes.c_int32, 1)        # rows of this step's GEMV row tiles
@@ -246,7 +249,7 @@ class CudaBackend:
         """The kernels this model launches, compiled or loaded from the disk cache (the prompt tiles' kernel
         is one of MMA_ATTN_KERNELS or k_attn_tiles), and what depends on their occupancy."""
         names = ["k_embed", "k_gemv", "k_gemv_tile", "k_rope_kv", "k_attn_rows", "k_final_norm", "k_sparse",
-                 "k_logprob", "k_rope_table", self.tiles_kernel]
+                 "k_logprob", "k_rope_table", "k_place_kv", self.tiles_kernel]
         if self.gemm:     # the GEMM kernels of the matrices' input widths (qkv, gate_up: H; o: q_size; down: I)
             names += sorted({GEMM_KERNELS[self._gemm_warps(kp), kind] for kp in (self.kp_h, self.kp_q, self.kp_i)
                              for kind in GEMM_KINDS})
@@ -428,6 +431,10 @@ class CudaBackend:
                          max(1, -(-self.max_candidates // (2 * nwc))))
         self.l_logprob = Launch(k["k_logprob"], self.t_gemv, 0, dict(logits=self.logits, V=V, targets=self.targets,
                                                                     out=self.logprob), st, "logprob")
+        self.l_place = Launch(k["k_place_kv"], self.t_rope, 0,
+                              dict(kc=self.kv_k, vc=self.kv_v, moves=self.moves, n=self.n_moves, nkv=cfg.num_kv_heads,
+                                   heads=cfg.num_layers * cfg.num_kv_heads, layer_elems=self.kv_layer_elems,
+                                   hd=hd, cs=self.rope_cs), st, "place_kv")
 
     # ------------------------------------------------------------------------- device-level entries
     def _ensure_context(self) -> None:
@@ -645,6 +652,21 @@ class CudaBackend:
         for pool in (self.kv_k, self.kv_v):
             self.stream.d2d_rows(pool, dst_block * per_block, pool, src_block * per_block, count * per_position,
                                  self.cfg.num_layers, self.kv_layer_elems)
+
+    def place_kv(self, src: np.ndarray, dst: np.ndarray, shift: np.ndarray) -> None:
+        """K/V of the pool slots src into the slots dst, keys rotated shift positions further, every layer, in
+        stream order (k_place_kv, max_rows slots a launch)."""
+        self._ensure_context()
+        R, h = self.max_rows, self._moves_host
+        for a in range(0, len(src), R):
+            n = min(R, len(src) - a)
+            event_wait_host(self._moves_ev)   # the copy that last read the staging buffer has run
+            for i, part in enumerate((src, dst, shift)):
+                h[i * n:(i + 1) * n] = part[a:a + n]
+            self.stream.h2d(self.moves, h, 3 * n)
+            self.stream.record(self._moves_ev)
+            self.n_moves.value = n
+            self.l_place.launch(n * self.cfg.num_layers * self.cfg.num_kv_heads)
 
     def dense_logits(self) -> np.ndarray:
         self._ensure_context()

@@ -1,5 +1,5 @@
-"""RoPE (its cos/sin table, and the rotation + KV write of row tiles and q/k-normed models) and the
-final RMSNorm of the logit rows."""
+"""RoPE (its cos/sin table, the rotation + KV write of row tiles and q/k-normed models, and K/V moved to another
+position) and the final RMSNorm of the logit rows."""
 from __future__ import annotations
 
 import math
@@ -11,7 +11,7 @@ from decoder_service.gpu import compat  # noqa: F401  (numpy row_stack alias bef
 from numba import cuda
 from numba import float32 as nb_f32
 
-from decoder_service.gpu.intrinsics import WARP, block_sum, pdl_enter, stf
+from decoder_service.gpu.intrinsics import WARP, block_sum, ldf, pdl_enter, stf
 from .kv_rope import kv_base, rope_pair
 from .matmul import stage_row
 SIGNATURES: dict = {}   # kernel -> its parameter types, given kernels.ArgTypes (None: not compiled)
@@ -101,6 +101,32 @@ def k_rope_kv(qkv, qkv_stride, slots, positions, bt, mb, kc, vc, layer_off, bs, 
 
 SIGNATURES["k_rope_kv"] = lambda t: (t.f32, t.i32, t.ai, t.ai, t.ai, t.i32, t.W, t.W, t.i64, t.i32, t.i32, t.i32,
                                      t.i32, t.f32, t.f32, t.f32, t.i32, t.i32, t.f, t.i32)
+
+
+@cuda.jit(cache=True)
+def k_place_kv(kc, vc, moves, n, nkv, heads, layer_elems, hd, cs):
+    """K/V of n pool slots moves[i] into the slots moves[n + i], each key rotated moves[2n + i] positions further
+    (rotate_half pairs, table cs), for every layer and KV head (`heads`: layers x KV heads): a tool line's K/V,
+    computed at its canonical place, moved to where a request's prompt lists it. A block per (slot, layer, KV
+    head); grid n * heads."""
+    pdl_enter()
+    item = cuda.blockIdx.x
+    r = item // heads
+    layer = (item - r * heads) // nkv
+    kvh = item - r * heads - layer * nkv
+    row = np.int64(nkv) * hd
+    src = layer * layer_elems + moves[r] * row + kvh * hd
+    dst = layer * layer_elems + moves[n + r] * row + kvh * hd
+    shift = moves[2 * n + r]
+    half = hd // 2
+    for i in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+        y1, y2 = rope_pair(ldf(kc, src + i), ldf(kc, src + i + half), cs, shift, half, i)
+        stf(kc, dst + i, y1)
+        stf(kc, dst + i + half, y2)
+    for i in range(cuda.threadIdx.x, hd, cuda.blockDim.x):
+        stf(vc, dst + i, ldf(vc, src + i))
+
+SIGNATURES["k_place_kv"] = lambda t: (t.W, t.W, t.ai, t.i32, t.i32, t.i32, t.i64, t.i32, t.f32)
 
 
 @cuda.jit(cache=True)
