@@ -129,6 +129,19 @@ def test_the_prompt_is_the_masked_prompt_computed_whole(model_dir, tok):
         np.testing.assert_allclose(hidden[-1], expected, rtol=0, atol=2e-4 * np.abs(expected).max())
 
 
+def test_a_step_fits_the_backends_block_tables(model_dir, tok):
+    """Line jobs have no slot, so a step may hold more chunks than requests run at once; never more block-table
+    entries than a GPU backend's buffer holds."""
+    recorder = Recorder(backends(model_dir)[0])
+    recorder.max_table = 160
+    engine, rt = engine_with_catalog(recorder, tok, max_seqs=2)
+    seqs = [engine.submit(rt, intent, 2) for intent in INTENTS]
+    engine.run_until_idle()
+    assert all(len(answer(seq)[0]) == 2 for seq in seqs)
+    assert max(b.block_tables.size for b, _ in recorder.steps) <= 160
+    assert max(len(b.block_tables) for b, _ in recorder.steps) > engine.config.max_seqs
+
+
 def test_the_same_bits_alone_in_a_batch_kept_or_computed_again(model_dir, tok):
     """An answer's names and scores are the same whether its lines were kept or computed for it, and whatever
     requests share its steps."""

@@ -105,7 +105,7 @@ class DecodeEngine:
         self.blocks = BlockManager(num_blocks)
         self.lines = Lines(self.blocks, block_size) if config.line_kv else None
         self.scheduler = Scheduler(self.blocks, block_size, config.max_seqs, config.chunk_size,
-                                   config.max_step_tokens, self.lines)
+                                   config.max_step_tokens, self.lines, getattr(backend, "max_table", None))
         self._inbox: deque = deque()
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None

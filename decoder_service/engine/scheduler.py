@@ -22,9 +22,9 @@ _NO_BLOCKS = np.empty(0, np.int32)
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, block_size: int, max_seqs: int, chunk_size: int,
-                 max_step_tokens: int, lines: Lines | None = None):
+                 max_step_tokens: int, lines: Lines | None = None, max_table: int | None = None):
         self.blocks, self.block_size, self.lines = blocks, block_size, lines
-        self.max_seqs = max_seqs   # chunks a step holds at most (its block tables' rows): line jobs have no slot
+        self.max_table = max_table   # a step's block-table entries at most (the GPU's buffer; None: any)
         self.free_slots = deque(range(max_seqs))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -101,17 +101,23 @@ class Scheduler:
     def plan(self) -> list[tuple[Sequence, list[int], int]]:
         """This step's chunks: (sequence, tokens, first position), decodes first (each its generated tokens not
         yet fed: one, or a forced run), then prefill."""
-        chunks, budget = [], self.max_step_tokens
+        chunks, budget, width = [], self.max_step_tokens, 0
         for seq in self.running:
             if seq.state == State.DECODE and budget > 0 and seq.fed < len(seq.generated):
                 toks = seq.generated[seq.fed:seq.fed + budget]
                 chunks.append((seq, toks, len(seq.prompt_ids) + seq.fed))
                 budget -= len(toks)
+                width = max(width, self.table_width(seq))
         for seq in self.running:
-            if len(chunks) == self.max_seqs:
-                break
             if seq.state == State.PREFILL and budget > 0 and not seq.lines:   # (its lines are copied in first)
+                width = max(width, self.table_width(seq))
+                if self.max_table and (len(chunks) + 1) * width > self.max_table:
+                    break   # line jobs have no slot: a step may hold more chunks than max_seqs
                 n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)
                 chunks.append((seq, seq.prompt_ids[seq.computed:seq.computed + n], seq.computed))
                 budget -= n
         return chunks
+
+    def table_width(self, seq: Sequence) -> int:
+        """The blocks of the sequence's row of a step's block tables."""
+        return len(self.prefix_blocks(seq)) + len(seq.blocks)
