@@ -55,8 +55,9 @@ def backends(model_dir, num_blocks=NUM_BLOCKS):
     return CpuBackend(cfg, weights, spec), ReferenceModel(cfg, weights, spec)
 
 
-def engine_with_catalog(backend, tok, num_blocks=NUM_BLOCKS, **config):
-    engine = make_engine(backend, tok, num_blocks, line_kv=True, chunk_size=256, **config)
+def engine_with_catalog(backend, tok, num_blocks=NUM_BLOCKS, warm_rows=0, **config):
+    """An engine with line KV and a 40-tool catalog loaded (warm_rows 0: lines computed only for the requests)."""
+    engine = make_engine(backend, tok, num_blocks, line_kv=True, chunk_size=256, warm_rows=warm_rows, **config)
     rt = engine.load_catalog(metatool_trie(tok, first=40))
     engine.run_until_idle()
     return engine, rt
@@ -160,6 +161,36 @@ def test_the_same_bits_alone_in_a_batch_kept_or_computed_again(model_dir, tok):
         assert {intent: answer(seq)[:2] for intent, seq in seqs.items()} == alone
     assert len(engine.lines.kept) == len({key for i in INTENTS for key in rt.line_keys(
         engine.retrieve(rt, i, 3).ids, 3)[0]})
+
+
+def test_a_new_version_computes_its_lines_after_the_requests_that_wait(model_dir, tok):
+    """With warm_rows, a version computes every tool's line once its prefix is warm, a few a step and after the
+    requests: one submitted meanwhile is answered before the last line, as an engine without warm-up answers it;
+    then requests find every line kept."""
+    cold, rt = engine_with_catalog(backends(model_dir)[0], tok)
+    expected = {}
+    for intent in INTENTS[:3]:
+        seq = cold.submit(rt, intent, 2)
+        cold.run_until_idle()
+        expected[intent] = answer(seq)[:2]
+    recorder = Recorder(backends(model_dir)[0])
+    engine = make_engine(recorder, tok, NUM_BLOCKS, line_kv=True, chunk_size=256, warm_rows=64)
+    rt = engine.load_catalog(metatool_trie(tok, first=40))
+    while not rt.ready.is_set():
+        engine.step()
+    first = engine.submit(rt, INTENTS[0], 2)
+    engine.run_until_idle()
+    assert answer(first)[:2] == expected[INTENTS[0]]
+    steps = [b for b, _ in recorder.steps]
+    answered = next(i for i, b in enumerate(steps) if len(first.prompt_ids) - 1 in b.positions)
+    assert answered < len(steps) - 1 and max(b.num_rows - b.decode_rows for b in steps[answered + 1:]) <= 64
+    assert len(engine.lines.kept) == 40 and rt.lines_seconds > 0
+    kept = {key: line.blocks for key, line in engine.lines.kept.items()}
+    for intent in INTENTS[1:3]:
+        seq = engine.submit(rt, intent, 2)
+        engine.run_until_idle()
+        assert answer(seq)[:2] == expected[intent]
+    assert {key: line.blocks for key, line in engine.lines.kept.items()} == kept   # none computed again
 
 
 def test_lines_give_way_to_requests_and_every_block_is_accounted_for(model_dir, tok):

@@ -35,6 +35,7 @@ class CatalogRuntime:
     tail_block: int = -1  # KV of prefix_ids[shared_tokens:] at its first positions (-1: no tail)
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
+    lines_seconds: float = 0.0   # line_kv: from the prefix warm to every tool line computed (engine._warm_lines)
     fusion_weight: float = 0.0   # logits a retrieval rank is worth in this version's answers (engine.fusion)
 
     @classmethod
@@ -184,4 +185,4 @@ class CatalogRuntime:
         name, version = self.key
         return {"name": name, "version": version, "tools": len(self.trie.pointer_names),
                 "prefix_tokens": len(self.prefix_ids), "ready": self.ready.is_set(),
-                "warm_seconds": round(self.warm_seconds, 3)}
+                "warm_seconds": round(self.warm_seconds, 3), "lines_seconds": round(self.lines_seconds, 3)}

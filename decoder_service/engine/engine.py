@@ -80,6 +80,8 @@ class EngineConfig:
     fusion_weight_unseen: float | None = None   # the same for a catalog the selector was not tuned on (None: same)
     admission: bool = True         # refuse a request that would finish after its deadline (expected_seconds)
     line_kv: bool = False          # compute each tool line's K/V once and copy it into requests (engine/lines.py)
+    warm_rows: int = 512           # with line_kv, rows a step gives a new version's lines while no request waits
+                                   # (0: lines computed only for the requests that list them)
 
 
 @dataclasses.dataclass
@@ -114,6 +116,7 @@ class DecodeEngine:
         self._live: set[Sequence] = set()   # requests submitted and not finished (under _wake): stop() ends them
         self.sampler = make_sampler(backend, config.head, config.finish_forced)
         self._ahead: Launched | None = None  # a step launched before the one before it was read
+        self._warming: deque = deque()        # line_kv's warm-up: (version, its line keys not started, when)
         self.steps_ahead = 0                  # how many steps were launched ahead (metrics, tests)
         self.steps_dropped = 0                # of those, how many were dropped unread (every row had ended)
         self.tokens_forced = 0                # answer tokens taken without a step of their own (forced)
@@ -265,6 +268,7 @@ class DecodeEngine:
             elif kind == "release_catalog":
                 self.blocks.release(item.held_blocks())
                 self.sampler.forget(item)
+                self._warming = deque(w for w in self._warming if w[0] is not item)
         return binds
 
     def has_work(self) -> bool:
@@ -289,6 +293,8 @@ class DecodeEngine:
         for seq in self.scheduler.running:
             if seq.lines and all(line.ready for line in seq.lines):
                 self._place_lines(seq)
+        if self._warming:
+            self._warm_lines(now)
         launched, self._ahead = self._ahead, None
         if launched is not None and all(seq.state == State.FINISHED for seq in launched.sampling):
             launched = None      # its rows all ended at the read before: its picks are never needed
@@ -426,6 +432,31 @@ class DecodeEngine:
         self.scheduler.release(job)
         job.state = State.FINISHED
 
+    def _warm_lines(self, now: float) -> None:
+        """Start jobs for the lines of the versions warming, at most warm_rows rows a step, while no request waits and
+        half the pool stays free; a version whose lines are all computed notes the time they took."""
+        rows, reserve = self.config.warm_rows, self.blocks.num_blocks // 2
+        while self._warming and not self.scheduler.waiting:
+            rt, keys, started = self._warming[0]
+            if not keys:
+                if not any(s.line and s.catalog is rt for s in self.scheduler.running):
+                    self._warming.popleft()
+                    rt.lines_seconds = now - started
+                    log.info("catalog %s v%s: its tool lines computed in %.2f s", *rt.key, rt.lines_seconds)
+                    continue
+                return
+            key = keys[0]
+            if key in self.lines.kept:
+                keys.popleft()
+                continue
+            if len(key[1]) > rows or self.blocks.num_free - self.lines.blocks_for(rt.tail_tokens, key) < reserve:
+                return
+            rows -= len(key[1])
+            lines, new = self.lines.pin([keys.popleft()])
+            self.lines.unpin(lines)
+            for job in self.scheduler.line_jobs(rt, new, now):
+                self._copy_prefix_tail(job)
+
     def _finish_warmup(self, seq: Sequence) -> None:
         rt = seq.catalog
         # the version now holds the blocks' reference: its whole blocks to share, then the tail's
@@ -437,6 +468,9 @@ class DecodeEngine:
         rt.warm_seconds = time.monotonic() - seq.t_submit
         rt.ready.set()
         log.info("catalog %s v%s warm: %d prefix tokens in %.2f s", *rt.key, len(rt.prefix_ids), rt.warm_seconds)
+        if self.lines and self.config.warm_rows:
+            keys = rt.line_keys(range(len(rt.trie.pointer_names)), 1)[0]
+            self._warming.append((rt, deque(keys), time.monotonic()))
 
     def _expire(self, now: float) -> None:
         """Fail cancelled and expired requests, and waiting ones that would finish after their deadline (busy:

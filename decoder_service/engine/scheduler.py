@@ -58,7 +58,7 @@ class Scheduler:
             admitted.append(seq)
             if seq.line_keys:
                 seq.lines, new = self.lines.pin(seq.line_keys)
-                admitted += [self._line_job(seq.catalog, line, now) for line in new]
+                admitted += self.line_jobs(seq.catalog, new, now)
         return admitted
 
     def _start(self, seq: Sequence, blocks: list[int], now: float) -> None:
@@ -69,13 +69,16 @@ class Scheduler:
         seq.state, seq.t_admit = State.PREFILL, now
         self.running.append(seq)
 
-    def _line_job(self, rt, line: Line, now: float) -> Sequence:
-        """The prefill that computes a line after its version's prefix (no slot: it samples nothing)."""
-        job = Sequence(request_id=f"line:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
-                       prompt_ids=rt.prefix_ids + list(line.tokens), k=0, allow=_NO_BLOCKS, allow_all=True, line=line,
-                       on_finish=lambda: self.lines.forget(line))
-        self._start(job, self.blocks.allocate(self.lines.blocks_for(rt.tail_tokens, line.key)), now)
-        return job
+    def line_jobs(self, rt, lines: list[Line], now: float) -> list[Sequence]:
+        """The prefills that compute new lines after their version's prefix, running (no slot: they sample nothing)."""
+        jobs = []
+        for line in lines:
+            job = Sequence(request_id=f"line:{rt.key[0]}:v{rt.key[1]}", catalog=rt,
+                           prompt_ids=rt.prefix_ids + list(line.tokens), k=0, allow=_NO_BLOCKS, allow_all=True,
+                           line=line, on_finish=lambda line=line: self.lines.forget(line))
+            self._start(job, self.blocks.allocate(self.lines.blocks_for(rt.tail_tokens, line.key)), now)
+            jobs.append(job)
+        return jobs
 
     def release(self, seq: Sequence) -> None:
         """Give back a finished or cancelled sequence's slot and blocks (its share of the prefix too)."""
@@ -108,14 +111,15 @@ class Scheduler:
                 chunks.append((seq, toks, len(seq.prompt_ids) + seq.fed))
                 budget -= len(toks)
                 width = max(width, self.table_width(seq))
-        for seq in self.running:
-            if seq.state == State.PREFILL and budget > 0 and not seq.lines:   # (its lines are copied in first)
-                width = max(width, self.table_width(seq))
-                if self.max_table and (len(chunks) + 1) * width > self.max_table:
-                    break   # line jobs have no slot: a step may hold more chunks than max_seqs
-                n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)
-                chunks.append((seq, seq.prompt_ids[seq.computed:seq.computed + n], seq.computed))
-                budget -= n
+        # requests and the lines they wait for first, then a version's warm-up (lines nobody waits for yet)
+        prefills = [seq for seq in self.running if seq.state == State.PREFILL and not seq.lines]   # (lines: copied)
+        for seq in sorted(prefills, key=lambda seq: bool(seq.line) and not seq.line.pins):
+            width = max(width, self.table_width(seq))
+            if budget <= 0 or self.max_table and (len(chunks) + 1) * width > self.max_table:
+                break   # line jobs have no slot: a step may hold more chunks than max_seqs
+            n = min(self.chunk_size, budget, len(seq.prompt_ids) - seq.computed)
+            chunks.append((seq, seq.prompt_ids[seq.computed:seq.computed + n], seq.computed))
+            budget -= n
         return chunks
 
     def table_width(self, seq: Sequence) -> int:
