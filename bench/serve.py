@@ -192,7 +192,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float,
         rt, warm = driver.warm(trie, retriever)
         log(f"  tooltrie: {len(trie.pointer_names)} tool vectors in {vectors_s:.2f} s")
         log(f"  tooltrie: prefix {len(rt.prefix_ids)} tokens warm in {warm:.2f} s; sampler "
-            f"{type(engine.sampler).__name__}")
+            f"{type(engine.sampler).__name__}" + (f"; tool lines in {rt.lines_seconds:.2f} s" if engine.lines else ""))
         solo = driver.one_by_one(rt, queries)
         log(f"  tooltrie concurrency 1: p50 {statistics.median(r['wall_s'] for r in solo) * 1e3:.1f} ms")
         # the first burst captures the graphs of the step shapes a burst makes (as the peer's first runs compile);
@@ -203,6 +203,8 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float,
             f"{len(queries) / first_s:.1f})")
         out = {
             "prefix_tokens": len(rt.prefix_ids), "warmup_s": round(warm, 3), "tool_vectors_s": round(vectors_s, 3),
+            "line_kv": bool(engine.lines), "lines_s": round(rt.lines_seconds, 3), "lines_kept": len(engine.lines.kept)
+            if engine.lines else 0,
             "sampler": type(engine.sampler).__name__,
             "launches_per_step": be.launches_per_step() + 3 if hasattr(be, "launches_per_step") else None,
             "concurrency_1": {**percentiles([r["wall_s"] for r in solo]),

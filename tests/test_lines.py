@@ -166,7 +166,7 @@ def test_the_same_bits_alone_in_a_batch_kept_or_computed_again(model_dir, tok):
 def test_a_new_version_computes_its_lines_after_the_requests_that_wait(model_dir, tok):
     """With warm_rows, a version computes every tool's line once its prefix is warm, a few a step and after the
     requests: one submitted meanwhile is answered before the last line, as an engine without warm-up answers it;
-    then requests find every line kept."""
+    then requests find every line kept. In a small pool it computes those that leave half the pool free."""
     cold, rt = engine_with_catalog(backends(model_dir)[0], tok)
     expected = {}
     for intent in INTENTS[:3]:
@@ -191,6 +191,10 @@ def test_a_new_version_computes_its_lines_after_the_requests_that_wait(model_dir
         engine.run_until_idle()
         assert answer(seq)[:2] == expected[intent]
     assert {key: line.blocks for key, line in engine.lines.kept.items()} == kept   # none computed again
+    small = make_engine(backends(model_dir, 160)[0], tok, 160, line_kv=True, chunk_size=256, warm_rows=64)
+    rt = small.load_catalog(metatool_trie(tok, first=40))
+    small.run_until_idle()   # the warm-up ends where a line would leave under half the pool free
+    assert rt.lines_ready.is_set() and 0 < len(small.lines.kept) < 40 and small.blocks.num_free >= 80
 
 
 def test_lines_give_way_to_requests_and_every_block_is_accounted_for(model_dir, tok):

@@ -35,7 +35,8 @@ class CatalogRuntime:
     tail_block: int = -1  # KV of prefix_ids[shared_tokens:] at its first positions (-1: no tail)
     ready: threading.Event = field(default_factory=threading.Event)
     warm_seconds: float = 0.0
-    lines_seconds: float = 0.0   # line_kv: from the prefix warm to every tool line computed (engine._warm_lines)
+    lines_seconds: float = 0.0   # line_kv: from the prefix warm to its tool lines computed (engine._warm_lines)
+    lines_ready: threading.Event = field(default_factory=threading.Event)
     fusion_weight: float = 0.0   # logits a retrieval rank is worth in this version's answers (engine.fusion)
 
     @classmethod

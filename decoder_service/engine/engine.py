@@ -433,8 +433,9 @@ class DecodeEngine:
         job.state = State.FINISHED
 
     def _warm_lines(self, now: float) -> None:
-        """Start jobs for the lines of the versions warming, at most warm_rows rows a step, while no request waits and
-        half the pool stays free; a version whose lines are all computed notes the time they took."""
+        """Start jobs for the lines of the versions warming, at most warm_rows rows a step, while no request waits.
+        A version's warm-up ends where the next line would leave under half the pool free (the rest are computed for
+        the requests that list them) or once every line is computed; it notes the time it took (lines_ready)."""
         rows, reserve = self.config.warm_rows, self.blocks.num_blocks // 2
         while self._warming and not self.scheduler.waiting:
             rt, keys, started = self._warming[0]
@@ -442,14 +443,18 @@ class DecodeEngine:
                 if not any(s.line and s.catalog is rt for s in self.scheduler.running):
                     self._warming.popleft()
                     rt.lines_seconds = now - started
-                    log.info("catalog %s v%s: its tool lines computed in %.2f s", *rt.key, rt.lines_seconds)
+                    rt.lines_ready.set()
+                    log.info("catalog %s v%s: tool lines computed in %.2f s", *rt.key, rt.lines_seconds)
                     continue
                 return
             key = keys[0]
             if key in self.lines.kept:
                 keys.popleft()
                 continue
-            if len(key[1]) > rows or self.blocks.num_free - self.lines.blocks_for(rt.tail_tokens, key) < reserve:
+            if self.blocks.num_free - self.lines.blocks_for(rt.tail_tokens, key) < reserve:
+                keys.clear()
+                continue
+            if len(key[1]) > rows:
                 return
             rows -= len(key[1])
             lines, new = self.lines.pin([keys.popleft()])
