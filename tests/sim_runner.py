@@ -14,8 +14,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_script(script: str, sim: bool, timeout: int = 900) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+def run_script(script: str, sim: bool, timeout: int = 900, env: dict | None = None) -> dict:
+    """The RESULT line of `script` run in a subprocess (under the CUDA simulator if `sim`, with `env` added)."""
+    env = {**{k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}, **(env or {})}
     if sim:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests"), env.get("PYTHONPATH", "")])

@@ -22,7 +22,9 @@ BATCHES = 100
 QUERIES = 24
 
 
-def test_an_answer_is_the_same_alone_and_in_any_batch_on_the_gpu():
+@pytest.mark.parametrize("line_kv", ["0", "1"])
+def test_an_answer_is_the_same_alone_and_in_any_batch_on_the_gpu(line_kv):
+    """With line KV (TOOLTRIE_LINE_KV=1) the answers alone compute their lines, the batches find them kept."""
     from numba import cuda
 
     from shared.config import DEFAULT_MODEL_DIR
@@ -30,7 +32,7 @@ def test_an_answer_is_the_same_alone_and_in_any_batch_on_the_gpu():
         pytest.skip("no CUDA GPU")
     if not (DEFAULT_MODEL_DIR / "tokenizer.json").is_file():
         pytest.skip("no tokenizer: run `make model`")
-    r = run_script(__file__, sim=False, timeout=900)
+    r = run_script(__file__, sim=False, timeout=900, env={"TOOLTRIE_LINE_KV": line_kv})
     assert r["sampler"] != "HostSampler", r     # the device sampler, not the host fallback
     assert r["batches"] == BATCHES and r["requests"] >= 2 * BATCHES, r
     assert r["mismatches"] == 0, r
@@ -46,11 +48,11 @@ def answer(seq) -> tuple:
 def main() -> None:
     from bench.common import random_weights, shape_config
     from compiler_service.compiler import compile_catalog
-    from decoder_service.engine.engine import DecodeEngine
+    from decoder_service.engine.engine import DecodeEngine, EngineConfig
     from decoder_service.model.cuda.backend import CudaBackend
     from decoder_service.model.kv_pool import KVPoolSpec
     from shared.catalog import parse_registry
-    from shared.config import DEFAULT_MODEL_DIR
+    from shared.config import DEFAULT_MODEL_DIR, Settings
     from shared.dataset import data_dir
     from shared.tokenizer import ModelTokenizer
     data = data_dir()
@@ -61,7 +63,8 @@ def main() -> None:
     spec = KVPoolSpec.from_tokens(6000 + 64 * 512)
     backend = CudaBackend(cfg, random_weights(cfg, seed=3), spec, max_rows=512, max_logit_rows=64,
                           max_candidates=256, max_table=64 * 512)
-    engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings)
+    engine = DecodeEngine(backend, tok, spec.num_blocks, spec.block_size, cfg.max_position_embeddings,
+                          EngineConfig(line_kv=Settings().line_kv, warm_rows=0))
     catalog = engine.load_catalog(trie)
     engine.run_until_idle()
     queries = [json.loads(line) for line in (data / "metatool" / "dev_queries.jsonl").open()][-QUERIES:]

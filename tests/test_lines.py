@@ -262,3 +262,29 @@ def test_training_computes_the_prompt_as_served(model_dir, tok):
         expected = masked_prompt_hidden(ref, rt, tools, intent, k)
         got = states[0, len(parts.rest) - 1].double().numpy()
         np.testing.assert_allclose(got, expected, rtol=0, atol=2e-4 * np.abs(expected).max())
+
+
+def test_served_over_grpc_and_swapped_to_a_new_version(tmp_path, small_tokenizer_dir, redis_url):
+    """A decoder with line KV over real gRPC and Redis answers k distinct names of the version, the same bits again
+    once its lines are kept; a new version whose tool describes itself otherwise computes that line anew (its
+    warm-up) and answers with its own names."""
+    from decoder_stack import TOOLS, DecoderStack, discover, trie_of, wait_until
+    from shared.rpc import decoder_pb2 as pb
+    stack = DecoderStack(tmp_path, small_tokenizer_dir, redis_url, line_kv=True)
+    try:
+        stack.store.publish("lines", trie_of(stack.tok, TOOLS))
+        stack.start()
+        request = dict(catalog="lines", intent=INTENTS[0], k=3, mode=pb.MODE_DECODE)
+        accepted, pointers = discover(stack.stub(), **request)
+        assert len({p.name for p in pointers}) == 3 and {p.name for p in pointers} <= {t["name"] for t in TOOLS}
+        assert discover(stack.stub(), **request)[1] == pointers
+        changed = [dict(t, description="converts currencies at today's rate") if t["name"] == pointers[0].name else t
+                   for t in TOOLS]
+        kept = set(stack.engine.lines.kept)
+        stack.store.publish("lines", trie_of(stack.tok, changed))
+        wait_until(lambda: discover(stack.stub(), **request)[0].version == accepted.version + 1, 60, "version 2")
+        assert len({p.name for p in discover(stack.stub(), **request)[1]}) == 3
+        wait_until(lambda: any("currencies" in stack.tok.decode(list(key[1]))
+                               for key in set(stack.engine.lines.kept) - kept), 60, "the changed line computed")
+    finally:
+        stack.close()
