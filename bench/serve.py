@@ -47,7 +47,7 @@ from bench.workload import EngineDriver, large_catalog, load_workload
 from decoder_service.encoder import load_encoder
 from decoder_service.engine.engine import DecodeEngine, EngineConfig
 from decoder_service.model.backend import device_name
-from decoder_service.model.kv_pool import KVPoolSpec
+from decoder_service.model.kv_pool import KVPoolSpec, bytes_per_token
 from decoder_service.retrieval.config import SHORTLIST
 from decoder_service.retrieval.host import Retriever, bm25_index, intent_parts
 from decoder_service.retrieval.vectors import computed_vectors
@@ -203,8 +203,7 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float,
             f"{len(queries) / first_s:.1f})")
         out = {
             "prefix_tokens": len(rt.prefix_ids), "warmup_s": round(warm, 3), "tool_vectors_s": round(vectors_s, 3),
-            "line_kv": bool(engine.lines), "lines_s": round(rt.lines_seconds, 3), "lines_kept": len(engine.lines.kept)
-            if engine.lines else 0,
+            **(lines_memory(engine, rt, cfg, be) if engine.lines else {"line_kv": False}),
             "sampler": type(engine.sampler).__name__,
             "launches_per_step": be.launches_per_step() + 3 if hasattr(be, "launches_per_step") else None,
             "concurrency_1": {**percentiles([r["wall_s"] for r in solo]),
@@ -230,6 +229,16 @@ def run_tooltrie(be, cfg, spec, tok, trie, encoder, queries, det_seconds: float,
         return out, [r["names"] for r in solo], prompt
     finally:
         driver.close()
+
+
+def lines_memory(engine, rt, cfg, be) -> dict:
+    """Line KV after a version's warm-up: its seconds, the lines kept and the pool memory they hold per 1,000 tools."""
+    kept = engine.lines.kept.values()
+    blocks = sum(len(line.blocks) for line in kept)
+    dtype = np.float32 if be.name == "cpu" else np.float16    # the GPU's bf16 and fp16 are both 2 bytes
+    block_bytes = engine.block_size * bytes_per_token(cfg, dtype)
+    return {"line_kv": True, "lines_s": round(rt.lines_seconds, 3), "lines_kept": len(kept), "line_blocks": blocks,
+            "lines_mib_per_1000_tools": round(blocks * block_bytes / max(1, len(kept)) * 1000 / 2**20, 1)}
 
 
 def run_peer(cfg, weights, tok, runs: dict, peer_rows: int, saved=lambda out: None) -> dict:
