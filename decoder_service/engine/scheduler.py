@@ -2,10 +2,9 @@
 
 Admission reserves a sequence's worst case (prompt + k pointers at the trie's deepest, and the jobs of the
 tool lines it lists that are not kept: engine/lines.py) up front, so a sequence never runs out of cache
-mid-answer. A step's rows are every decoding sequence's next tokens
-first (one, or the run its answer forces), then prefill chunks (at most `chunk_size` tokens each,
-`max_step_tokens` in all), so a long prompt is spread over several steps and never stalls the decoding
-requests.
+mid-answer. A step's rows are every decoding sequence's next tokens first (one, or the run its answer forces),
+then prefill chunks (at most `chunk_size` tokens each, `max_step_tokens` in all), so a long prompt is spread
+over several steps and never stalls the decoding requests.
 """
 from __future__ import annotations
 
