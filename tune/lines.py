@@ -51,14 +51,22 @@ def rotated(k: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor
 
 
 def prompt_cache(model, prompts: list[Parts], device: str) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """(cache, mask, next position) of each prompt's prefix and lines as served: every line computed after the
-    prefix at its canonical place (one pass over all of them), its K/V moved to where its prompt lists it; left-padded
-    to the longest, the mask 0 on the padding."""
-    seqs = [p.prefix + u for p in prompts for u in p.units]
-    width = max(map(len, seqs))
-    ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs], device=device)
-    mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    lines = model.model(input_ids=ids, attention_mask=mask, use_cache=True).past_key_values
+    """(cache, mask, next position) of each prompt's prefix and lines as served: the prefix computed once, every line
+    after it at its canonical place (one pass over all of them), its K/V moved to where its prompt lists it;
+    left-padded to the longest, the mask 0 on the padding. The prompts share their prefix (the template's)."""
+    prefix = prompts[0].prefix
+    if any(p.prefix != prefix for p in prompts):
+        raise ValueError("the prompts of a batch must share their prefix")
+    units = [u for p in prompts for u in p.units]
+    width = max(map(len, units))
+    head = model.model(input_ids=torch.tensor([prefix], device=device), use_cache=True).past_key_values
+    lines = DynamicCache()
+    for layer in range(model.config.num_hidden_layers):
+        lines.update(*(t.expand(len(units), -1, -1, -1) for t in layer_kv(head, layer)), layer)
+    ids = torch.tensor([u + [0] * (width - len(u)) for u in units], device=device)
+    mask = torch.tensor([[1] * (len(prefix) + len(u)) + [0] * (width - len(u)) for u in units], device=device)
+    model.model(input_ids=ids, attention_mask=mask, past_key_values=lines, use_cache=True,
+                position_ids=len(prefix) + torch.arange(width, device=device)[None].expand(len(units), -1))
     inv_freq = model.model.rotary_emb.inv_freq
     lengths = [len(p.prefix) + p.rows for p in prompts]
     longest = max(lengths)
