@@ -235,7 +235,7 @@ def lines_memory(engine, rt, cfg, be) -> dict:
     """Line KV after a version's warm-up: its seconds, the lines kept and the pool memory they hold per 1,000 tools."""
     kept = engine.lines.kept.values()
     blocks = sum(len(line.blocks) for line in kept)
-    dtype = np.float32 if be.name == "cpu" else np.float16    # the GPU's bf16 and fp16 are both 2 bytes
+    dtype = getattr(be, "np_dtype", np.float32)    # the pool's storage: the CUDA backend's, float32 on the CPU
     block_bytes = engine.block_size * bytes_per_token(cfg, dtype)
     return {"line_kv": True, "lines_s": round(rt.lines_seconds, 3), "lines_kept": len(kept), "line_blocks": blocks,
             "lines_mib_per_1000_tools": round(blocks * block_bytes / max(1, len(kept)) * 1000 / 2**20, 1)}

@@ -73,6 +73,18 @@ def template_ids(template: PromptTemplate, tokenizer, k: int) -> tuple:
     return (*(tuple(tokenizer.encode(text)) for text in (head, middle, tail, "\n")), bool(tools))
 
 
+def line_units(template: PromptTemplate, tokenizer, lines: list[list[int]],
+               k: int) -> tuple[list[list[int]], int] | None:
+    """A shortlist's lines as tool-line KV computes them (decoder_service/engine/lines.py, tune/lines.py): each line
+    with the newline after it, and the prompt rows they fill (the last newline is not the prompt's); None where the
+    template does not list the tools right after its prefix."""
+    head, _, _, newline, listed = template_ids(template, tokenizer, k)
+    if head or not listed or not lines:
+        return None
+    units = [list(line) + list(newline) for line in lines]
+    return units, sum(map(len, units)) - len(newline)
+
+
 def chat_format(model_dir: Path) -> tuple[str, str, str]:
     """(turn start, turn end, stop token) of the model's chat template from tokenizer_config.json."""
     config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text())

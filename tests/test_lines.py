@@ -9,6 +9,7 @@ import pytest
 from decoder_service.engine.sequence import State
 from decoder_service.model.batch import StepBatch
 from decoder_service.model.config import ModelConfig
+from decoder_service.model.cpu import CpuBackend
 from decoder_service.model.kv_pool import KVPoolSpec
 from decoder_service.model.reference import ReferenceModel
 from decoder_service.model.weights import load_weights
@@ -50,7 +51,6 @@ def model_dir(tmp_path_factory, tok):
 def backends(model_dir, num_blocks=NUM_BLOCKS):
     cfg = ModelConfig.from_dir(model_dir)
     weights = load_weights(model_dir, cfg, "float32")
-    from decoder_service.model.cpu import CpuBackend
     spec = KVPoolSpec(num_blocks, BLOCK_SIZE)
     return CpuBackend(cfg, weights, spec), ReferenceModel(cfg, weights, spec)
 
@@ -89,7 +89,7 @@ def masked_prompt_hidden(ref, rt, tools, intent, k) -> np.ndarray:
     whole in float64: each line after the prefix at its canonical place, moved to where the prompt lists it, then
     the rest of the prompt."""
     prefix = rt.prefix_ids
-    prompt = prefix + rt.request_ids(tools, "", k, intent_ids=rt.tokenizer.encode_plain(intent))
+    prompt = prefix + rt.request_ids(tools, intent, k)
     keys, rows = rt.line_keys(tools, k)
     blocks = iter(range(ref.pool.spec.num_blocks))
     per = -(-(len(prompt) + 1) // BLOCK_SIZE)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from shared.prompt import template_ids
+from shared.prompt import line_units
 
 
 @dataclass(frozen=True)
@@ -25,11 +25,10 @@ class Parts:
 
 def parts(enc, item, order: list[int]) -> Parts:
     """`enc.prompt(item, order)` cut into its Parts (tune.data.Encoder; the template lists the tools first)."""
-    head, _, _, newline, listed = template_ids(enc.template, enc.tok, len(item.gold))
-    if head or not listed:
+    cut = line_units(enc.template, enc.tok, [item.catalog.line_ids[i] for i in order], len(item.gold))
+    if cut is None:
         raise ValueError("line KV needs a template that lists the tools right after its prefix")
-    units = [list(item.catalog.line_ids[i]) + list(newline) for i in order]
-    rows = sum(map(len, units)) - len(newline)
+    units, rows = cut
     prompt = enc.prompt(item, order)
     return Parts(enc.prefix_ids, units, rows, prompt[len(enc.prefix_ids) + rows:])
 

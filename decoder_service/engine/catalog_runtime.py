@@ -16,7 +16,7 @@ import numpy as np
 
 from decoder_service.engine.sampler import compile_for
 from decoder_service.retrieval.host import Retriever
-from shared.prompt import PromptTemplate, template_ids
+from shared.prompt import PromptTemplate, line_units
 from shared.tokenizer import ModelTokenizer
 from shared.trie import SEP, STOP, Trie, control_edge_legal
 
@@ -168,12 +168,12 @@ class CatalogRuntime:
         """The kept-line keys of a request's shortlist (`tools`: pointer ids, in prompt order; engine/lines.py): each
         the prefix and the tool's line with its newline; and the prompt rows they fill (the last line's newline is
         not the prompt's). ([], 0) where the template does not list the tools right after the prefix."""
-        head, _, _, newline, listed = template_ids(self.template, self.tokenizer, k)
-        if head or not listed or not len(tools):
-            return [], 0
         flat, at = self.lines
-        keys = [(self.prefix_key, tuple(flat[at[i]:at[i + 1]].tolist()) + newline) for i in tools]
-        return keys, sum(len(key[1]) for key in keys) - len(newline)
+        cut = line_units(self.template, self.tokenizer, [flat[at[i]:at[i + 1]].tolist() for i in tools], k)
+        if cut is None:
+            return [], 0
+        units, rows = cut
+        return [(self.prefix_key, tuple(unit)) for unit in units], rows
 
     def pointer_ids(self, names: list[str]) -> np.ndarray:
         """Sorted pointer ids of an allowlist; a KeyError names the first unknown tool."""

@@ -290,9 +290,9 @@ class DecodeEngine:
         self._expire(now)
         for seq in self.scheduler.admit(now):
             self._copy_prefix_tail(seq)
-        for seq in self.scheduler.running:
-            if seq.lines and all(line.ready for line in seq.lines):
-                self._place_lines(seq)
+        if self.lines:
+            self._place_lines([seq for seq in self.scheduler.running
+                               if seq.lines and all(line.ready for line in seq.lines)])
         if self._warming:
             self._warm_lines(now)
         launched, self._ahead = self._ahead, None
@@ -407,23 +407,27 @@ class DecodeEngine:
             self.backend.copy_kv(rt.tail_block, seq.blocks[0], rt.tail_tokens)
             seq.computed += rt.tail_tokens
 
-    def _place_lines(self, seq: Sequence) -> None:
-        """Copy the request's kept lines into its own blocks, each line's keys rotated from its canonical place (right
-        after the prefix) to where the prompt lists it (in stream order, before its prefill goes on)."""
-        rt, bs = seq.catalog, self.block_size
-        start = len(rt.prefix_ids)
-        src, dst, shift, at = [], [], [], start
-        for line in seq.lines:
-            n = min(len(line.tokens), start + seq.line_rows - at)
-            positions = np.arange(at, at + n) - rt.shared_tokens
-            src.append(self.lines.slots(line, rt.tail_tokens, n))
-            dst.append(np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs)
-            shift.append(np.full(n, at - start, np.int32))
-            at += n
+    def _place_lines(self, seqs: list[Sequence]) -> None:
+        """Copy the requests' kept lines into their own blocks, each line's keys rotated from its canonical place (right
+        after the prefix) to where the prompt lists it: one place_kv for them all, in stream order before their
+        prefills go on."""
+        if not seqs:
+            return
+        bs, src, dst, shift = self.block_size, [], [], []
+        for seq in seqs:
+            rt = seq.catalog
+            start = at = len(rt.prefix_ids)
+            for line in seq.lines:
+                n = min(len(line.tokens), start + seq.line_rows - at)
+                positions = np.arange(at, at + n) - rt.shared_tokens
+                src.append(self.lines.slots(line, rt.tail_tokens, n))
+                dst.append(np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs)
+                shift.append(np.full(n, at - start, np.int32))
+                at += n
+            seq.computed = at
+            self.lines.unpin(seq.lines)
+            seq.lines = []
         self.backend.place_kv(*(np.ascontiguousarray(np.concatenate(a), np.int32) for a in (src, dst, shift)))
-        seq.computed = at
-        self.lines.unpin(seq.lines)
-        seq.lines = []
 
     def _finish_line(self, job: Sequence) -> None:
         """A line job's step was read: its blocks are now the kept line's."""
@@ -457,8 +461,7 @@ class DecodeEngine:
             if len(key[1]) > rows:
                 return
             rows -= len(key[1])
-            lines, new = self.lines.pin([keys.popleft()])
-            self.lines.unpin(lines)
+            _, new = self.lines.take([keys.popleft()])
             for job in self.scheduler.line_jobs(rt, new, now):
                 self._copy_prefix_tail(job)
 

@@ -46,8 +46,8 @@ class Lines:
         """The keys not kept (nor being computed)."""
         return [key for key in dict.fromkeys(keys) if key not in self.kept]
 
-    def pin(self, keys: list[tuple]) -> tuple[list[Line], list[Line]]:
-        """(the lines of `keys`, in order, each pinned; those new, whose jobs the caller starts)."""
+    def take(self, keys: list[tuple]) -> tuple[list[Line], list[Line]]:
+        """(the lines of `keys`, in order, now the most recently listed; those new, whose jobs the caller starts)."""
         lines, new = [], []
         for key in keys:
             line = self.kept.get(key)
@@ -55,11 +55,17 @@ class Lines:
                 line = self.kept[key] = Line(key)
                 new.append(line)
             self.kept.move_to_end(key)
-            line.pins += 1
             lines.append(line)
         return lines, new
 
-    def unpin(self, lines: list[Line]) -> None:
+    @staticmethod
+    def pin(lines: list[Line]) -> None:
+        """Keep the lines until `unpin`: a request copies them in first."""
+        for line in lines:
+            line.pins += 1
+
+    @staticmethod
+    def unpin(lines: list[Line]) -> None:
         for line in lines:
             line.pins -= 1
 

@@ -56,7 +56,8 @@ class Scheduler:
             self._start(seq, self.blocks.allocate(own), now)
             admitted.append(seq)
             if seq.line_keys:
-                seq.lines, new = self.lines.pin(seq.line_keys)
+                seq.lines, new = self.lines.take(seq.line_keys)
+                self.lines.pin(seq.lines)
                 admitted += self.line_jobs(seq.catalog, new, now)
         return admitted
 
