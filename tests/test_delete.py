@@ -57,6 +57,9 @@ def test_a_request_in_flight_finishes_then_the_deleted_catalog_is_not_found(stac
     publish(compiler, "kept", TOOLS[12:24])
     s.start()
     wait_until(lambda: {"gone", "kept"} <= set(s.catalogs.defaults()), 30, "both catalogs served")
+    # the health follower publishes on its own beat: the deletion below must turn a published SERVING around
+    wait_until(lambda: check(s.addr, "tooltrie.catalog.gone") == health_pb2.HealthCheckResponse.SERVING, 10,
+               "the catalog SERVING")
     gate = threading.Event()
     try:
         hold_retrieval(s, gate, "held weather")
