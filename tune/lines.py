@@ -40,13 +40,35 @@ def layer_kv(cache, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
     return cache.key_cache[layer], cache.value_cache[layer]
 
 
-def rotated(k: torch.Tensor, shift: int, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Keys [heads, positions, d] rotated `shift` positions further (RoPE, rotate_half pairs)."""
-    angle = shift * inv_freq.double()
+def rotated(k: torch.Tensor, shift: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Keys [batch, heads, positions, d], each position's rotated its `shift` [batch, positions] positions further
+    (RoPE, rotate_half pairs)."""
+    angle = shift.double()[..., None] * inv_freq.double()
     cos, sin = torch.cos(angle).to(k.dtype), torch.sin(angle).to(k.dtype)
-    cos, sin = torch.cat([cos, cos]), torch.cat([sin, sin])
+    cos, sin = torch.cat([cos, cos], -1)[:, None], torch.cat([sin, sin], -1)[:, None]
     half = k.shape[-1] // 2
     return k * cos + torch.cat([-k[..., half:], k[..., :half]], -1) * sin
+
+
+def moves(prompts: list[Parts], longest: int, device: str) -> tuple[torch.Tensor, ...]:
+    """Where each prompt's cache rows come from in the lines' pass: (line, position, shift, real) [batch, longest],
+    left-padded (real 0 on the padding). A prompt's first line holds its prefix; each line's rows follow at its
+    place in the prompt, `shift` positions past its canonical one."""
+    rows: list[list[list[int]]] = []
+    first = 0
+    for p in prompts:
+        start = at = len(p.prefix)
+        line, pos, shift = [first] * start, list(range(start)), [0] * start
+        for j, unit in enumerate(p.units):
+            n = min(len(unit), start + p.rows - at)
+            line += [first + j] * n
+            pos += range(start, start + n)
+            shift += [at - start] * n
+            at += n
+        first += len(p.units)
+        pad = [0] * (longest - len(line))
+        rows.append([pad + line, pad + pos, pad + shift, pad + [1] * len(line)])
+    return tuple(torch.tensor([r[i] for r in rows], device=device) for i in range(4))
 
 
 def prompt_cache(model, prompts: list[Parts], device: str) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
@@ -68,26 +90,13 @@ def prompt_cache(model, prompts: list[Parts], device: str) -> tuple[DynamicCache
                 position_ids=len(prefix) + torch.arange(width, device=device)[None].expand(len(units), -1))
     inv_freq = model.model.rotary_emb.inv_freq
     lengths = [len(p.prefix) + p.rows for p in prompts]
-    longest = max(lengths)
+    line, pos, shift, real = moves(prompts, max(lengths), device)
+    real = real[:, None, :, None]
     cache = DynamicCache()
     for layer in range(model.config.num_hidden_layers):
-        keys, values = layer_kv(lines, layer)
-        ks, vs, first = [], [], 0
-        for p, length in zip(prompts, lengths):
-            start, at = len(p.prefix), len(p.prefix)
-            k = [keys[first, :, :start]]
-            v = [values[first, :, :start]]
-            for j, unit in enumerate(p.units):
-                n = min(len(unit), start + p.rows - at)
-                k.append(rotated(keys[first + j, :, start:start + n], at - start, inv_freq))
-                v.append(values[first + j, :, start:start + n])
-                at += n
-            first += len(p.units)
-            pad = keys.new_zeros(keys.shape[1], longest - length, keys.shape[3])
-            ks.append(torch.cat([pad, *k], 1))
-            vs.append(torch.cat([pad, *v], 1))
-        cache.update(torch.stack(ks), torch.stack(vs), layer)
-    past = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths], device=device)
+        keys, values = (t[line, :, pos].transpose(1, 2) * real for t in layer_kv(lines, layer))
+        cache.update(rotated(keys, shift, inv_freq), values, layer)
+    past = real[:, 0, :, 0].long()
     return cache, past, torch.tensor(lengths, device=device)
 
 
