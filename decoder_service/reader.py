@@ -160,7 +160,7 @@ class Reader:
         prefixes = [tuple(heads[h][:-1]) for h in group]
         self._keep(prefixes)
         tables = np.full((len(group) * len(parts), self.max_blocks), -1, np.int32)
-        tokens, slots, positions, targets, owners, free = [], [], [], [], [], 0
+        tokens, slots, positions, targets, owners, free, moves = [], [], [], [], [], 0, []
         for g, (h, prefix) in enumerate(zip(group, prefixes)):
             kept, n = self.heads.blocks[prefix], len(prefix)
             full = n // BLOCK
@@ -169,14 +169,16 @@ class Reader:
                 own = -(-(n % BLOCK + len(part)) // BLOCK)
                 tables[row, :full] = kept[:full]
                 tables[row, full:full + own] = np.arange(free, free + own)
-                if n % BLOCK:
-                    self.model.copy_kv(kept[full], free, n % BLOCK)
+                moves += [(kept[full] * BLOCK + i, free * BLOCK + i) for i in range(n % BLOCK)]
                 free += own
                 tokens += [heads[h][-1]] + part[:-1]
                 slots += [row] * len(part)
                 positions += range(n, n + len(part))
                 targets += part
                 owners += [(p, h)] * len(part)
+        if moves:   # each head's partial block into each of its parts' first blocks, in one move
+            src, dst = np.asarray(moves, np.int32).T
+            self.model.place_kv(src, dst, np.zeros_like(src))
         batch = StepBatch(*(np.asarray(a, np.int32) for a in (tokens, slots, positions, tables, range(len(tokens)))))
         for (p, h), value in zip(owners, self._run(batch, targets)):
             out[p, h] += value

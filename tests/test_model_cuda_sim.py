@@ -89,6 +89,7 @@ def _assert_case(res: dict, name: str) -> None:
     assert r["gate_skips"], "a decode step gated on done flags that were all set ran its forward pass"
     assert r["gate_runs"], "a decode step gated on done flags with one clear gave other bits than ungated"
     assert r["chunk_invariant"], "a prompt's logits changed with how it was cut into chunks"
+    assert r["logprob_own_row"], "a row's token log-probability changed with the logit rows beside it"
     assert r["tail_copy"], "prompt rows after a copied prefix tail (copy_kv) differ from the prefix in place"
     assert r["kv_ok"], f"KV pool differs from the reference: {r['kv_rel']}"
     assert r["place_ok"], f"K/V moved by place_kv differs from the reference's: {r['place_rel']}"
@@ -171,7 +172,10 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
               and lp_rel < tol)
         checks.append(dict(tag=tag, rel=rel, same_argmax=same_arg, sparse_eq_dense=eq, logprob_own=own,
                            logprob_rel=lp_rel, ok=bool(ok)))
+        logprobs[tag] = targets, lp
         return lg, lr
+
+    logprobs = {}
 
     prompt = rng.integers(3, cfg.vocab_size, 11).tolist()     # 3 attention tiles under the simulator
     _, lr = compare("prefill 11", StepBatch.from_chunks([(0, prompt, 0)], bt))
@@ -210,6 +214,9 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
     be.forward(StepBatch.from_chunks([(1, other[:3], 0)], bt))
     be.forward(StepBatch.from_chunks([(2, [5], 2), (1, other[3:], 3)], bt, decode_rows=1))
     chunk_invariant = bool(np.array_equal(be.dense_logits()[1], lg_mixed[1]))
+    # and its log-probability (the reader's head: a row's bits whatever the logit rows beside it)
+    targets, lp_mixed = logprobs["mixed decode + prefill 6 + prefill 2"]
+    logprob_own_row = bool(be.token_logprobs(targets[:2])[1] == lp_mixed[1])
     # the pool holds the reference's K and V (storage dtype rounding aside)
     k, v = be.kv_cache()
     used = sorted({int(b) for b in bt.ravel() if b >= 0})
@@ -247,7 +254,8 @@ def _case(tmp: Path, arch: str, dtype: str, tied: bool) -> dict:
         compare("prefill 21 more", StepBatch.from_chunks([(0, long[20:], 20)], long_bt))
     return dict(checks=checks, deterministic=deterministic, fused_rope=be.fused_rope, graphs=graphs,
                 gate_skips=gate_skips, gate_runs=gate_runs,
-                chunk_invariant=chunk_invariant, tail_copy=tail_copy, place_rel=place_rel, place_ok=place_ok,
+                chunk_invariant=chunk_invariant, logprob_own_row=logprob_own_row, tail_copy=tail_copy,
+                place_rel=place_rel, place_ok=place_ok,
                 sparse_tiles_ok=tiles_ok,
                 kv_rel=kv_rel, kv_ok=max(kv_rel) < tol)
 

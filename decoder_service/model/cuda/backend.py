@@ -420,9 +420,10 @@ class CudaBackend:
         self.l_final = Launch(k["k_final_norm"], self.t_small, kh * 4,
                               dict(x=self.x, x_stride=kh, rows=self.logit_rows, gamma=self.n_final, eps=eps, K=H,
                                    Q=kh // 8, out=self.hidden, out_stride=kh), st, "final_norm")
-        self.l_dense, self.l_dense_tile = self._gemv_pair(
-            "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V, self.b_qkv, 0,
-            self.logits, V, STORE)
+        head = self._matrix("dense_head", "dense_head", self.hidden, kh, self.n_final, 0, self.w_head, H, kh, V,
+                            self.b_qkv, 0, self.logits, V, STORE)
+        self.l_dense, self.l_dense_tile = head["dense_head"], head["dense_head/tile"]
+        self.l_head_gemm = head.get("dense_head/big")   # token_logprobs' head on the tensor cores (bf16)
         nwc = self.t_gemv // WARP
         self.l_sparse = (Launch(k["k_sparse"], self.t_gemv, kh * 4,
                                 dict(h=self.hidden, h_stride=kh, W=self.w_head, Q=kh // 8, V=V, cand=self.cand,
@@ -697,7 +698,9 @@ class CudaBackend:
 
     def token_logprobs(self, targets: np.ndarray) -> np.ndarray:
         """Each logit row's log-probability of its target token (float32 [N]): the dense head and k_logprob on
-        the device, N floats back instead of N x vocab."""
+        the device, N floats back instead of N x vocab. A bf16 model's head runs on the tensor cores (k_gemm):
+        the reader asks for hundreds of rows, which the GEMV's row tiles read the head's weights for four at a
+        time."""
         self._ensure_context()
         N, V = self._N, self.cfg.vocab_size
         targets = np.ascontiguousarray(targets, np.int32)
@@ -705,7 +708,12 @@ class CudaBackend:
             raise ModelError(f"token_logprobs: targets must be [{N}] token ids in [0, {V})")
         self._cand_host[:N] = targets
         self.stream.h2d(self.targets, self._cand_host, N)
-        self.launch_dense(N)
+        if self.l_head_gemm is None:
+            self.launch_dense(N)
+        else:   # every row on k_gemm: its bits are its own whatever the rows beside it, as with the GEMVs
+            self.gemm_rows[0].value, self.gemm_rows[1].value = 0, N
+            lz, gx, rows = self.l_head_gemm
+            lz.launch(gx, -(-N // rows))
         self.l_logprob.launch(N)
         self.stream.d2h(self._out_host, self.logprob, N)
         self.stream.synchronize()
