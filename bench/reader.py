@@ -6,8 +6,9 @@ Each data set's catalog published without examples (as an unseen catalog is serv
 validation queries of each, their shortlists of 12 from the service's retriever. On the chosen backend, each
 request's likelihoods (decoder_service.reader) are timed after --warm untimed ones (the heads earlier requests read
 kept, as a service keeps them), then again with all its heads kept (the same bits), and each tool's alone (the same
-bits as in its shortlist, for the first request). Where the backend is not the CPU,
-the first --check requests are read on the CPU backend too: the largest relative difference, and whether the
+bits as in its shortlist, for the first request). A last pass splits a read with its heads kept into its parts'
+steps (forward and log-probabilities, the device synchronised around them) and the rest. Where the backend is not
+the CPU, the first --check requests are read on the CPU backend too: the largest relative difference, and whether the
 reranked answers are the same; on the CPU, the memory the reader added to the process (resident, after every read).
 Writes bench/results/reader_served_<device>.json and prints a table.
 """
@@ -58,6 +59,23 @@ def resident_bytes() -> int:
     return int(status.split("VmRSS:")[1].split()[0]) * 1024
 
 
+def timed_steps(read: Reader) -> list[float]:
+    """Time each parts' step of `read` from now on (its forward and log-probabilities, the device synchronised
+    before and after): the seconds of each, in order."""
+    steps, run = [], read._run
+    sync = getattr(read.model, "synchronize", lambda: None)
+
+    def step(*a):
+        sync()
+        started = time.perf_counter()
+        out = run(*a)
+        sync()
+        steps.append(time.perf_counter() - started)
+        return out
+    read._run = step
+    return steps
+
+
 def reader(args) -> None:
     requests = shortlisted(args.requests)
     before = resident_bytes()
@@ -72,13 +90,22 @@ def reader(args) -> None:
         if i >= args.warm:
             times.append(middle - started)
             kept.append(time.perf_counter() - middle)
+    # where a read with its heads kept spends its time: the parts' steps, and the rest (host work, K/V moves)
+    steps, split = timed_steps(read), []
+    for tools, intent, _, _ in requests[args.warm:]:
+        heads, parts = read.tokens(tools, intent)
+        started, done = time.perf_counter(), len(steps)
+        read.likelihoods(heads, parts)
+        split.append((sum(steps[done:]), time.perf_counter() - started - sum(steps[done:])))
     heads, parts = read.tokens(*requests[0][:2])
     alone = np.stack([read.likelihoods([h], parts)[:, 0] for h in heads], axis=1)
     record = {"device": device_label(read.kind), "reader": Path(args.reader).name, "requests": len(requests),
               "timed": len(times), "p50_ms": round(1e3 * float(np.median(times)), 2),
               "p90_ms": round(1e3 * float(np.percentile(times, 90)), 2),
               "kept_p50_ms": round(1e3 * float(np.median(kept)), 2),
-              "kept_p90_ms": round(1e3 * float(np.percentile(kept, 90)), 2), "repeat_same": repeat_same,
+              "kept_p90_ms": round(1e3 * float(np.percentile(kept, 90)), 2),
+              "kept_steps_p50_ms": round(1e3 * float(np.median([a for a, _ in split])), 2),
+              "kept_rest_p50_ms": round(1e3 * float(np.median([b for _, b in split])), 2), "repeat_same": repeat_same,
               "alone_same": bool(np.array_equal(alone, read.likelihoods(heads, parts)))}
     if read.kind == "cpu":
         record["resident_gib"] = round((resident_bytes() - before) / 2**30, 2)
