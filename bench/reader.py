@@ -7,9 +7,10 @@ validation queries of each, their shortlists of 12 from the service's retriever.
 request's likelihoods (decoder_service.reader) are timed after --warm untimed ones (the heads earlier requests read
 kept, as a service keeps them), then again with all its heads kept (the same bits), and each tool's alone (the same
 bits as in its shortlist, for the first request). A last pass splits a read with its heads kept into its parts'
-steps (forward and log-probabilities, the device synchronised around them) and the rest. Where the backend is not
-the CPU, the first --check requests are read on the CPU backend too: the largest relative difference, and whether the
-reranked answers are the same; on the CPU, the memory the reader added to the process (resident, after every read).
+steps (forward and log-probabilities, the device synchronised around them, with their logit rows) and the rest.
+Where the backend is not the CPU, the first --check requests are read on the CPU backend too: the largest relative
+difference, and whether the reranked answers are the same; on the CPU, the memory the reader added to the process
+(resident, after every read).
 Writes bench/results/reader_served_<device>.json and prints a table.
 """
 from __future__ import annotations
@@ -59,18 +60,18 @@ def resident_bytes() -> int:
     return int(status.split("VmRSS:")[1].split()[0]) * 1024
 
 
-def timed_steps(read: Reader) -> list[float]:
+def timed_steps(read: Reader) -> list[tuple[float, int]]:
     """Time each parts' step of `read` from now on (its forward and log-probabilities, the device synchronised
-    before and after): the seconds of each, in order."""
+    before and after): (seconds, logit rows) of each, in order."""
     steps, run = [], read._run
     sync = getattr(read.model, "synchronize", lambda: None)
 
-    def step(*a):
+    def step(batch, targets):
         sync()
         started = time.perf_counter()
-        out = run(*a)
+        out = run(batch, targets)
         sync()
-        steps.append(time.perf_counter() - started)
+        steps.append((time.perf_counter() - started, len(targets)))
         return out
     read._run = step
     return steps
@@ -94,9 +95,11 @@ def reader(args) -> None:
     steps, split = timed_steps(read), []
     for tools, intent, _, _ in requests[args.warm:]:
         heads, parts = read.tokens(tools, intent)
+        read.likelihoods(heads, parts)   # its heads kept again (a small cache drops earlier requests')
         started, done = time.perf_counter(), len(steps)
         read.likelihoods(heads, parts)
-        split.append((sum(steps[done:]), time.perf_counter() - started - sum(steps[done:])))
+        seconds, rows = (sum(x) for x in zip(*steps[done:]))
+        split.append((seconds, time.perf_counter() - started - seconds, rows, len(steps) - done))
     heads, parts = read.tokens(*requests[0][:2])
     alone = np.stack([read.likelihoods([h], parts)[:, 0] for h in heads], axis=1)
     record = {"device": device_label(read.kind), "reader": Path(args.reader).name, "requests": len(requests),
@@ -104,8 +107,10 @@ def reader(args) -> None:
               "p90_ms": round(1e3 * float(np.percentile(times, 90)), 2),
               "kept_p50_ms": round(1e3 * float(np.median(kept)), 2),
               "kept_p90_ms": round(1e3 * float(np.percentile(kept, 90)), 2),
-              "kept_steps_p50_ms": round(1e3 * float(np.median([a for a, _ in split])), 2),
-              "kept_rest_p50_ms": round(1e3 * float(np.median([b for _, b in split])), 2), "repeat_same": repeat_same,
+              "kept_steps_p50_ms": round(1e3 * float(np.median([s[0] for s in split])), 2),
+              "kept_rest_p50_ms": round(1e3 * float(np.median([s[1] for s in split])), 2),
+              "logit_rows_mean": round(float(np.mean([s[2] for s in split])), 1),
+              "steps_mean": round(float(np.mean([s[3] for s in split])), 2), "repeat_same": repeat_same,
               "alone_same": bool(np.array_equal(alone, read.likelihoods(heads, parts)))}
     if read.kind == "cpu":
         record["resident_gib"] = round((resident_bytes() - before) / 2**30, 2)

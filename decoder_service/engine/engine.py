@@ -415,13 +415,13 @@ class DecodeEngine:
             return
         bs, src, dst, shift = self.block_size, [], [], []
         for seq in seqs:
-            rt = seq.catalog
+            rt, blocks = seq.catalog, np.asarray(seq.blocks, np.int32)
             start = at = len(rt.prefix_ids)
             for line in seq.lines:
                 n = min(len(line.tokens), start + seq.line_rows - at)
                 positions = np.arange(at, at + n) - rt.shared_tokens
                 src.append(self.lines.slots(line, rt.tail_tokens, n))
-                dst.append(np.asarray(seq.blocks, np.int32)[positions // bs] * bs + positions % bs)
+                dst.append(blocks[positions // bs] * bs + positions % bs)
                 shift.append(np.full(n, at - start, np.int32))
                 at += n
             seq.computed = at
